@@ -1,0 +1,1 @@
+"""DLPlacer: MILP placement of an op graph on the devices of the model axis."""
