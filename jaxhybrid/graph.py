@@ -1,0 +1,664 @@
+"""Op graph of a training loss: a Flax model's forward loss lowered to a jaxpr, grouped into nodes.
+
+The graph is built from `jax.make_jaxpr` of the forward loss on abstract inputs (no parameter is
+ever allocated, so a 1.8 B-parameter BigLSTM traces in seconds). Top-level equations are grouped
+by Flax module path, cut to `depth` path components: linen records module paths in each
+equation's name stack; for NNX, `trace` opens a name scope around every submodule call while
+tracing. A node is a maximal *contiguous* run (in trace order) of top-level equations with the
+same key, so the node graph is acyclic by construction: every edge goes from an earlier run to a
+later one. A module called twice becomes two nodes that share parameters.
+
+Each node keeps its equations, so a program can replay it (`OpGraph.node_fn`); this is how the
+hybrid program evaluates the forward node by node on different devices.
+
+Costs per node are of the forward pass (FLOPs counted exactly for `dot_general` and convolutions,
+an element count for the rest; a `scan` costs its body times its length); a cost model turns them
+into forward + backward time (see `jaxhybrid.costs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+ROOT = "<root>"  # key of equations outside any module scope (e.g. the loss reduction)
+
+# Kinds of the traced function's inputs.
+PARAM, STATE, BATCH, CONST = "param", "state", "batch", "const"
+
+# Primitives whose cost rule below is deliberate; any other primitive without a sub-jaxpr is
+# costed as one FLOP per output element and flagged opaque with a warning.
+_ELEMENTWISE_OK = frozenset("""
+  abs acos acosh add and asin asinh atan atan2 atanh broadcast_in_dim cbrt ceil clamp
+  concatenate convert_element_type copy copy_p cos cosh cumsum cumprod cummax cummin
+  custom_lin div dynamic_slice dynamic_update_slice eq erf erf_inv erfc exp exp2 expm1 floor
+  gather ge gt imag integer_pow iota is_finite le lgamma digamma log log1p logistic lt max min
+  mul ne neg nextafter not or pad pjit population_count pow real reduce_and reduce_max
+  reduce_min reduce_or reduce_prod reduce_sum reduce_precision rem reshape rev round rsqrt
+  scatter scatter-add scatter_add scatter-mul scatter-min scatter-max select_n sign sin sinh
+  slice sort sqrt square squeeze stop_gradient sub tan tanh transpose xor argmax argmin
+  shift_left shift_right_logical shift_right_arithmetic split top_k random_bits random_seed
+  random_wrap random_unwrap threefry2x32 erf_inv select_and_scatter_add reduce_window_sum
+  reduce_window_max reduce_window_min reduce_window argsort mul_add polygamma igamma
+  igammac random_gamma_grad bessel_i0e bessel_i1e pcast device_put optimization_barrier
+  convert clz
+""".split())
+
+
+def _aval_bytes(aval: Any) -> int:
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if shape is None or dtype is None:
+    return 0
+  try:
+    itemsize = np.dtype(dtype).itemsize
+  except TypeError:  # extended dtypes (PRNG keys)
+    itemsize = 8
+  return int(math.prod(shape)) * itemsize
+
+
+def _aval_size(aval: Any) -> int:
+  shape = getattr(aval, "shape", None)
+  return int(math.prod(shape)) if shape is not None else 0
+
+
+def _var_bytes(v: Any) -> int:
+  return _aval_bytes(v.aval)
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnCost:
+  """Forward cost of one equation (recursively through sub-jaxprs)."""
+
+  flops: float
+  bytes_accessed: float
+  opaque: tuple[str, ...] = ()
+
+  def __add__(self, other: EqnCost) -> EqnCost:
+    return EqnCost(
+      self.flops + other.flops,
+      self.bytes_accessed + other.bytes_accessed,
+      self.opaque + other.opaque,
+    )
+
+  def scale(self, k: float) -> EqnCost:
+    return EqnCost(self.flops * k, self.bytes_accessed * k, self.opaque)
+
+
+def dot_general_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers) -> int:
+  """FLOPs of a `dot_general`: 2 x (batch x M x N x K), a multiply and an add per term."""
+  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+  rhs_free = [d for i, d in enumerate(rhs_shape) if i not in rhs_contract and i not in rhs_batch]
+  return 2 * int(math.prod(lhs_shape)) * int(math.prod(rhs_free))
+
+
+def conv_flops(out_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers) -> int:
+  """FLOPs of a convolution: 2 x output elements x (kernel elements per output feature)."""
+  rhs_spec = dimension_numbers.rhs_spec  # (out feature dim, in feature dim, spatial...)
+  out_features = rhs_shape[rhs_spec[0]]
+  return 2 * int(math.prod(out_shape)) * (int(math.prod(rhs_shape)) // max(out_features, 1))
+
+
+def _jaxpr_cost(jaxpr: Any) -> EqnCost:
+  total = EqnCost(0.0, 0.0)
+  for eqn in jaxpr.eqns:
+    total = total + eqn_cost(eqn)
+  return total
+
+
+def _inner_jaxpr(j: Any) -> Any:
+  return j.jaxpr if hasattr(j, "jaxpr") and not hasattr(j, "eqns") else j
+
+
+def eqn_cost(eqn: Any) -> EqnCost:
+  """Forward FLOPs and bytes of one equation; recurses into nested jaxprs."""
+  name = eqn.primitive.name
+  in_bytes = sum(_aval_bytes(v.aval) for v in eqn.invars)
+  out_bytes = sum(_aval_bytes(v.aval) for v in eqn.outvars)
+  io = float(in_bytes + out_bytes)
+  if name == "dot_general":
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    return EqnCost(float(dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])), io)
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval
+    out = eqn.outvars[0].aval
+    flops = conv_flops(out.shape, rhs.shape, eqn.params["dimension_numbers"])
+    return EqnCost(float(flops // max(eqn.params.get("batch_group_count", 1), 1)), io)
+  if name == "scan":
+    body = _jaxpr_cost(_inner_jaxpr(eqn.params["jaxpr"]))
+    return body.scale(eqn.params["length"])
+  if name == "while":
+    body = _jaxpr_cost(_inner_jaxpr(eqn.params["body_jaxpr"]))
+    log.warning("while loop: trip count unknown, its body is counted once")
+    return body + EqnCost(0.0, 0.0, ("while",))
+  if name == "cond":
+    branches = [_jaxpr_cost(_inner_jaxpr(b)) for b in eqn.params["branches"]]
+    return max(branches, key=lambda c: c.flops)
+  subs = list(jex.core.jaxprs_in_params(eqn.params))
+  if subs:
+    total = EqnCost(0.0, 0.0)
+    for sub in subs:
+      total = total + _jaxpr_cost(_inner_jaxpr(sub))
+    return total
+  if name in _ELEMENTWISE_OK:
+    n = max(sum(_aval_size(v.aval) for v in eqn.outvars), 1)
+    if name.startswith("reduce") or name in ("argmax", "argmin", "cumsum", "sort"):
+      n = max(sum(_aval_size(v.aval) for v in eqn.invars), 1)
+    return EqnCost(float(n), io)
+  n = max(sum(_aval_size(v.aval) for v in eqn.outvars), 1)
+  return EqnCost(float(n), io, (name,))
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+  """A coarse op: a contiguous run of top-level equations under one module path.
+
+  Attributes:
+    id: index in `OpGraph.nodes` (nodes are in topological order).
+    name: module path cut to the trace depth (unique; a repeated run gets `#k`).
+    eqns: the top-level jaxpr equations, in trace order.
+    invars: variables read from outside the node (other nodes, params, batch, consts).
+    outvars: variables produced here and read by later nodes or by the loss output.
+    flops: forward FLOPs.
+    bytes_accessed: forward bytes read + written by the equations.
+    param_leaves: indices of the flat parameter leaves the node reads.
+    param_bytes: bytes of those parameters.
+    out_bytes: bytes of `outvars` (activations this node sends on).
+    opaque: primitives costed by the fallback rule (unknown to the cost model).
+  """
+
+  id: int
+  name: str
+  eqns: list[Any]
+  invars: list[Any] = dataclasses.field(default_factory=list)
+  outvars: list[Any] = dataclasses.field(default_factory=list)
+  flops: float = 0.0
+  bytes_accessed: float = 0.0
+  param_leaves: tuple[int, ...] = ()
+  param_bytes: int = 0
+  out_bytes: int = 0
+  opaque: tuple[str, ...] = ()
+
+  def __repr__(self) -> str:
+    return (
+      f"Node({self.id}, {self.name!r}, eqns={len(self.eqns)}, flops={self.flops:.3g}, "
+      f"params={self.param_bytes}B)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+  """Data flowing from node `src` to node `dst` (`src < dst`); `bytes` per traced batch."""
+
+  src: int
+  dst: int
+  bytes: int
+  vars: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class OpGraph:
+  """The coarse op graph of one worker's forward loss.
+
+  Attributes:
+    nodes: nodes in topological order.
+    edges: edges between nodes (one per ordered pair), with the bytes that cross.
+    closed_jaxpr: the traced forward loss `f(params, state, batch) -> loss`.
+    input_kinds: per jaxpr invar, `(kind, index)` with kind in {param, state, batch}.
+    param_paths, state_paths, batch_paths: key paths of the flattened inputs.
+    param_treedef, state_treedef, batch_treedef: tree structures to rebuild the inputs.
+    depth: module-path depth used for grouping.
+  """
+
+  nodes: list[Node]
+  edges: list[Edge]
+  closed_jaxpr: Any
+  input_kinds: tuple[tuple[str, int], ...]
+  param_paths: tuple[str, ...]
+  state_paths: tuple[str, ...]
+  batch_paths: tuple[str, ...]
+  param_treedef: Any
+  state_treedef: Any
+  batch_treedef: Any
+  depth: int
+
+  # ---- derived views ------------------------------------------------------------------------
+  @property
+  def jaxpr(self) -> Any:
+    return self.closed_jaxpr.jaxpr
+
+  @property
+  def param_avals(self) -> tuple[Any, ...]:
+    return tuple(
+      v.aval for v, (k, _) in zip(self.jaxpr.invars, self.input_kinds) if k == PARAM
+    )
+
+  @property
+  def total_flops(self) -> float:
+    return sum(n.flops for n in self.nodes)
+
+  @property
+  def total_param_bytes(self) -> int:
+    return sum(_aval_bytes(a) for a in self.param_avals)
+
+  def producers(self) -> dict[Any, int]:
+    """Maps each variable produced by a node to that node's id."""
+    out = {}
+    for n in self.nodes:
+      for e in n.eqns:
+        for v in e.outvars:
+          out[v] = n.id
+    return out
+
+  def fingerprint(self) -> str:
+    """A stable hash of the graph's structure and sizes (names, FLOPs, params, edges)."""
+    h = hashlib.sha256()
+    for n in self.nodes:
+      h.update(f"{n.name}|{len(n.eqns)}|{n.flops:.6g}|{n.param_bytes}|{n.out_bytes};".encode())
+    for e in self.edges:
+      h.update(f"{e.src}>{e.dst}:{e.bytes};".encode())
+    return h.hexdigest()[:16]
+
+  def node_fingerprint(self, node: Node) -> str:
+    """A hash of one node's computation: its primitives, shapes and parameters."""
+    h = hashlib.sha256()
+    h.update(f"{[str(v.aval) for v in node.invars]}".encode())
+    for e in node.eqns:
+      h.update(f"{e.primitive.name}{[str(v.aval) for v in e.outvars]}".encode())
+      h.update(repr(sorted((k, str(v)[:200]) for k, v in e.params.items())).encode())
+    return h.hexdigest()[:16]
+
+  def node_jaxpr(self, node: Node) -> Any:
+    """A closed jaxpr `node_inputs -> node_outputs` holding the node's equations."""
+    jaxpr = jex.core.Jaxpr(
+      constvars=[], invars=list(node.invars), outvars=list(node.outvars), eqns=list(node.eqns)
+    )
+    return jex.core.ClosedJaxpr(jaxpr, [])
+
+  def node_fn(self, node: Node) -> Callable[..., list[Any]]:
+    """A function `(*inputs) -> [outputs]` replaying the node's equations."""
+    return jex.core.jaxpr_as_fun(self.node_jaxpr(node))
+
+  def summary(self, max_rows: int | None = None) -> str:
+    """A readable node table: module path, FLOPs, bytes, parameters, output activations."""
+    rows = [f"{'id':>4}  {'module path':<40} {'GFLOP':>10} {'MB r/w':>10} {'params MB':>10} {'out MB':>9}"]
+    for n in self.nodes[: max_rows or len(self.nodes)]:
+      rows.append(
+        f"{n.id:>4}  {n.name[:40]:<40} {n.flops / 1e9:>10.3f} {n.bytes_accessed / 1e6:>10.2f} "
+        f"{n.param_bytes / 1e6:>10.2f} {n.out_bytes / 1e6:>9.2f}"
+        + ("  [opaque: " + ",".join(sorted(set(n.opaque))) + "]" if n.opaque else "")
+      )
+    if max_rows and len(self.nodes) > max_rows:
+      rows.append(f"  ... {len(self.nodes) - max_rows} more nodes")
+    rows.append(
+      f"{len(self.nodes)} nodes, {len(self.edges)} edges, {self.total_flops / 1e9:.3f} GFLOP forward, "
+      f"{self.total_param_bytes / 1e6:.2f} MB parameters, fingerprint {self.fingerprint()}"
+    )
+    return "\n".join(rows)
+
+
+# ---- grouping ---------------------------------------------------------------------------------
+
+def _path(eqn: Any, strip: str | None) -> list[str]:
+  parts = [p for p in str(eqn.source_info.name_stack).split("/") if p]
+  if strip is not None and parts and parts[0] == strip:
+    parts = parts[1:]
+  return parts
+
+
+def _is_prefix(short: Sequence[str], long: Sequence[str]) -> bool:
+  return len(short) <= len(long) and list(long[: len(short)]) == list(short)
+
+
+def _build(
+  closed_jaxpr: Any, input_kinds, depth: int, max_nodes: int | None, strip: str | None = None
+) -> tuple[list[Node], list[Edge]]:
+  jaxpr = closed_jaxpr.jaxpr
+  runs: list[tuple[str, list[Any]]] = []
+  run_parts: list[str] = []
+  for eqn in jaxpr.eqns:
+    parts = _path(eqn, strip)[:depth]
+    k = "/".join(parts) or ROOT
+    if runs and runs[-1][0] == k:
+      runs[-1][1].append(eqn)
+    elif runs and len(parts) < depth and _is_prefix(parts, run_parts):
+      # Glue code in an enclosing scope (an activation between two submodules, a concat after
+      # the branches, the loss after the model) joins the run before it.
+      runs[-1][1].append(eqn)
+    else:
+      runs.append((k, [eqn]))
+      run_parts = parts
+  if max_nodes is not None and max_nodes >= 1:
+    runs = _merge_runs(runs, max_nodes)
+  seen: dict[str, int] = {}
+  nodes = []
+  for i, (k, eqns) in enumerate(runs):
+    count = seen.get(k, 0)
+    seen[k] = count + 1
+    nodes.append(Node(id=i, name=k if count == 0 else f"{k}#{count}", eqns=eqns))
+  _wire(nodes, jaxpr, input_kinds)
+  return nodes, _edges(nodes)
+
+
+def _merge_runs(runs: list[tuple[str, list[Any]]], max_nodes: int) -> list[tuple[str, list[Any]]]:
+  """Merges adjacent runs (which keeps the graph acyclic) until at most `max_nodes` remain.
+
+  Adjacent runs where the later one reads the earlier one's output are merged first (that loses
+  no parallelism), cheapest pair first; then the cheapest adjacent pair of any kind.
+  """
+  runs = [(k, list(e)) for k, e in runs]
+
+  def cost(eqns):
+    return sum(eqn_cost(e).flops for e in eqns) + 1.0
+
+  while len(runs) > max_nodes:
+    best, best_score = None, None
+    for i in range(len(runs) - 1):
+      produced = {v for e in runs[i][1] for v in e.outvars}
+      dependent = any(
+        (not isinstance(v, jex.core.Literal)) and v in produced for e in runs[i + 1][1] for v in e.invars
+      )
+      score = (0 if dependent else 1, cost(runs[i][1]) + cost(runs[i + 1][1]))
+      if best_score is None or score < best_score:
+        best, best_score = i, score
+    k0, e0 = runs[best]
+    k1, e1 = runs[best + 1]
+    name = k0 if k0 == k1 else _common_prefix(k0, k1)
+    runs[best : best + 2] = [(name, e0 + e1)]
+  return runs
+
+
+def _common_prefix(a: str, b: str) -> str:
+  pa, pb = a.split("/"), b.split("/")
+  common = []
+  for x, y in zip(pa, pb):
+    if x != y:
+      break
+    common.append(x)
+  return "/".join(common) + ("/" if common else "") + f"{{{pa[len(common)] if len(pa) > len(common) else ''}..{pb[len(common)] if len(pb) > len(common) else ''}}}"
+
+
+def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
+  producer: dict[Any, int] = {}
+  for n in nodes:
+    for e in n.eqns:
+      for v in e.outvars:
+        producer[v] = n.id
+  param_index = {
+    v: idx for v, (kind, idx) in zip(jaxpr.invars, input_kinds) if kind == PARAM
+  }
+  consumers: dict[Any, set[int]] = {}
+  for n in nodes:
+    ins: list[Any] = []
+    seen = set()
+    for e in n.eqns:
+      for v in e.invars:
+        if isinstance(v, jex.core.Literal) or v in seen:
+          continue
+        if producer.get(v) == n.id:
+          continue
+        seen.add(v)
+        ins.append(v)
+        consumers.setdefault(v, set()).add(n.id)
+    n.invars = ins
+    leaves = sorted(param_index[v] for v in ins if v in param_index)
+    n.param_leaves = tuple(leaves)
+    n.param_bytes = sum(_var_bytes(v) for v in ins if v in param_index)
+    cost = EqnCost(0.0, 0.0)
+    for e in n.eqns:
+      cost = cost + eqn_cost(e)
+    n.flops, n.bytes_accessed, n.opaque = cost.flops, cost.bytes_accessed, cost.opaque
+    if cost.opaque:
+      log.warning(
+        "node %s holds primitives without a cost rule (%s): costed as one FLOP per output element",
+        n.name, ", ".join(sorted(set(cost.opaque))),
+      )
+  out_set = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
+  for n in nodes:
+    outs = []
+    for e in n.eqns:
+      for v in e.outvars:
+        if isinstance(v, jex.core.DropVar):
+          continue
+        if v in out_set or any(c != n.id for c in consumers.get(v, ())):
+          outs.append(v)
+    n.outvars = outs
+    n.out_bytes = sum(_var_bytes(v) for v in outs)
+
+
+def _edges(nodes: list[Node]) -> list[Edge]:
+  producer = {}
+  for n in nodes:
+    for v in n.outvars:
+      producer[v] = n.id
+  acc: dict[tuple[int, int], list[Any]] = {}
+  for n in nodes:
+    for v in n.invars:
+      p = producer.get(v)
+      if p is not None:
+        acc.setdefault((p, n.id), []).append(v)
+  return [
+    Edge(src=s, dst=d, bytes=sum(_var_bytes(v) for v in vs), vars=tuple(vs))
+    for (s, d), vs in sorted(acc.items())
+  ]
+
+
+# ---- tracing ----------------------------------------------------------------------------------
+
+def _paths(tree: Any) -> tuple[tuple[str, ...], Any]:
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return tuple(jax.tree_util.keystr(p) for p, _ in flat), treedef
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def trace_function(
+  fn: Callable[[Any, Any, Any], jax.Array],
+  params: Any,
+  state: Any,
+  batch: Any,
+  *,
+  depth: int = 2,
+  max_nodes: int | None = None,
+  root_scope: str | None = None,
+) -> OpGraph:
+  """Traces a pure loss `fn(params, state, batch) -> scalar` to an OpGraph.
+
+  Args:
+    fn: the forward loss. `params` are trained; `state` (e.g. BatchNorm statistics) is read only.
+    params, state, batch: pytrees of arrays or `jax.ShapeDtypeStruct` (abstract is enough).
+    depth: number of module-path components that name a node.
+    max_nodes: if set, adjacent nodes are merged until at most this many remain.
+    root_scope: a leading name-stack component to drop (linen's root module class name).
+
+  Returns:
+    The OpGraph.
+
+  Raises:
+    ValueError: if `depth` < 1 or the loss is not a scalar.
+  """
+  if depth < 1:
+    raise ValueError(f"depth={depth}: the module-path depth must be >= 1")
+  params, state, batch = _abstract(params), _abstract(state), _abstract(batch)
+  closed = jax.make_jaxpr(fn)(params, state, batch)
+  outs = closed.jaxpr.outvars
+  if len(outs) != 1 or getattr(outs[0].aval, "shape", None) != ():
+    raise ValueError(
+      f"the loss must return one scalar, got {[getattr(v.aval, 'shape', None) for v in outs]}: "
+      "return the mean loss only"
+    )
+  p_paths, p_def = _paths(params)
+  s_paths, s_def = _paths(state)
+  b_paths, b_def = _paths(batch)
+  kinds = (
+    [(PARAM, i) for i in range(len(p_paths))]
+    + [(STATE, i) for i in range(len(s_paths))]
+    + [(BATCH, i) for i in range(len(b_paths))]
+  )
+  if len(kinds) != len(closed.jaxpr.invars):
+    raise RuntimeError("internal: jaxpr inputs do not match the flattened inputs")
+  nodes, edges = _build(closed, tuple(kinds), depth, max_nodes, strip=root_scope)
+  return OpGraph(
+    nodes=nodes, edges=edges, closed_jaxpr=closed, input_kinds=tuple(kinds),
+    param_paths=p_paths, state_paths=s_paths, batch_paths=b_paths,
+    param_treedef=p_def, state_treedef=s_def, batch_treedef=b_def, depth=depth,
+  )
+
+
+def is_nnx_module(model: Any) -> bool:
+  from flax import nnx
+
+  return isinstance(model, nnx.Module)
+
+
+def is_linen_module(model: Any) -> bool:
+  from flax import linen as nn
+
+  return isinstance(model, nn.Module)
+
+
+def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scopes: bool = True):
+  """Splits an NNX model into (graphdef, params, state) and a pure `f(params, state, batch)`.
+
+  The returned function merges the model inside and, with `scopes`, runs every submodule call
+  under a name scope of its attribute path, so equations carry module paths like linen's do.
+  """
+  from flax import nnx
+
+  graphdef, params, state = nnx.split(model, nnx.Param, ...)
+
+  def pure(p, s, batch):
+    m = nnx.merge(graphdef, p, s)
+    if not scopes:
+      return loss_fn(m, batch)
+    with nnx_name_scopes(m):
+      return loss_fn(m, batch)
+
+  return graphdef, params, state, pure
+
+
+class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
+  """While active, every call of a submodule of `root` runs under `jax.named_scope(path)`.
+
+  NNX records no module paths in equations; this patches `__call__` of the module classes in
+  the tree (restored on exit) and resets the name stack to the module's full attribute path, so
+  a submodule called from outside its parent still gets its own path.
+  """
+
+  def __init__(self, root: Any):
+    self.root = root
+    self._saved: dict[type, Any] = {}
+
+  def __enter__(self):
+    from jax._src import source_info_util
+
+    paths: dict[int, tuple[str, ...]] = {}
+    for path, mod in self.root.iter_modules():
+      if path:
+        paths[id(mod)] = tuple(str(p) for p in path)
+    classes = {type(m) for _, m in self.root.iter_modules()}
+    for cls in classes:
+      orig = cls.__dict__.get("__call__")
+      if orig is None:
+        # Inherited __call__: patch on this class and remove on exit.
+        orig_inherited = cls.__call__
+        self._saved[cls] = None
+        cls.__call__ = _scoped(orig_inherited, paths, source_info_util)
+      else:
+        self._saved[cls] = orig
+        cls.__call__ = _scoped(orig, paths, source_info_util)
+    return self
+
+  def __exit__(self, *exc):
+    for cls, orig in self._saved.items():
+      if orig is None:
+        del cls.__call__
+      else:
+        cls.__call__ = orig
+    self._saved.clear()
+    return False
+
+
+def _scoped(fn, paths, source_info_util):
+  def wrapper(self, *args, **kwargs):
+    path = paths.get(id(self))
+    if path is None:
+      return fn(self, *args, **kwargs)
+    with source_info_util.reset_name_stack():
+      with _nested_scopes(path):
+        return fn(self, *args, **kwargs)
+
+  wrapper.__wrapped__ = fn
+  return wrapper
+
+
+class _nested_scopes:  # noqa: N801
+  def __init__(self, parts: Sequence[str]):
+    self.ctxs = [jax.named_scope(p) for p in parts]
+
+  def __enter__(self):
+    for c in self.ctxs:
+      c.__enter__()
+
+  def __exit__(self, *exc):
+    for c in reversed(self.ctxs):
+      c.__exit__(*exc)
+    return False
+
+
+def trace(
+  model: Any,
+  loss_fn: Callable[..., jax.Array],
+  batch: Any,
+  *,
+  params: Any = None,
+  depth: int = 2,
+  max_nodes: int | None = None,
+) -> OpGraph:
+  """Traces the training loss of a Flax model (NNX or linen) to an OpGraph, abstractly.
+
+  Args:
+    model: an `nnx.Module` (build it abstractly with `nnx.eval_shape` for big models) or a
+      linen `nn.Module`.
+    loss_fn: NNX: `loss_fn(model, batch) -> scalar`. Linen: `loss_fn(params, batch) -> scalar`,
+      where the function calls `model.apply({'params': params}, ...)` itself.
+    batch: a pytree of arrays or `jax.ShapeDtypeStruct`.
+    params: linen only: the parameter pytree (e.g. from `jax.eval_shape(model.init, ...)`,
+      without the 'params' collection wrapper).
+    depth: number of module-path components that name a node.
+    max_nodes: merge adjacent nodes down to this many.
+
+  Returns:
+    The OpGraph.
+
+  Raises:
+    ValueError: for a model that is neither NNX nor linen, or linen without `params`.
+  """
+  if is_nnx_module(model):
+    _, p, s, pure = nnx_pure_loss(model, loss_fn)
+    return trace_function(pure, p, s, batch, depth=depth, max_nodes=max_nodes)
+  if is_linen_module(model):
+    if params is None:
+      raise ValueError(
+        "tracing a linen module needs params=...: pass jax.eval_shape(model.init, rng, x)['params']"
+      )
+    # Linen's name stacks start with the root module's class name; paths count below it.
+    return trace_function(
+      lambda p, s, b: loss_fn(p, b), params, {}, batch, depth=depth, max_nodes=max_nodes,
+      root_scope=type(model).__name__,
+    )
+  raise ValueError(
+    f"cannot trace {type(model).__name__}: pass a flax.nnx.Module or a flax.linen.Module"
+  )
