@@ -1,0 +1,528 @@
+"""The hybrid program: a Plan runs as ONE jitted DP x MP train step on a (data, model) mesh.
+
+Inside one `jax.shard_map` over ('data', 'model'):
+
+* the forward loss is replayed node by node from the traced jaxpr (`OpGraph.node_fn`); the plan's
+  schedule is cut into *slots*, and in each slot every model-axis device runs its own task
+  through `lax.switch(axis_index('model'), branches)` (MPMD inside SPMD). A branch returns the
+  outputs of every task of the slot, zeros for the tasks of other devices, so all branches agree;
+* a tensor consumed on another device moves by `lax.ppermute` right after the slot that made it,
+  outside any branch;
+* a worker's batch is cut into `microbatches`; the tasks of different micro-batches interleave
+  as the plan scheduled them, so the pipeline fills;
+* gradients come from `jax.value_and_grad` of that placed forward (the backward runs on the same
+  devices in reverse), are averaged over 'data', and the optax update runs in the same program.
+
+Parameters are owned: every leaf read by nodes of a single device lives only in that device's row
+of a flat `[model, max_size]` buffer (one per dtype) sharded over 'model'; a branch slices its
+leaves from its own row at static offsets. A leaf read on several devices is *shared*: replicated,
+its gradient summed over 'model'. Optimizer state follows its parameters. Elementwise optimizers
+(SGD, Adam, AdaGrad, ...) therefore act on exactly the right values; transforms that need a
+global view of the parameters (global-norm clipping) would see only one device's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid.mesh import DATA, MODEL
+
+log = logging.getLogger(__name__)
+
+# shard_map's varying-axes type check stays off: the program replays equations traced OUTSIDE
+# shard_map, and their nested jaxprs (scan bodies, custom_jvp rules) carry no varying-axes types,
+# so the check rejects e.g. a scan body's matmul of a carried state by a varying weight. With the
+# check off, autodiff inserts no implicit collectives: every gradient below is the device's own,
+# and the step averages and sums them explicitly (pmean over 'data', psum of shared leaves over
+# 'model'), which the equivalence tests verify against the single-device reference.
+CHECK_VMA = False
+
+
+# ---- static layout ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+  """Where each flat parameter leaf lives.
+
+  Attributes:
+    owner: per leaf, the model-axis device that owns it, or -1 for a shared (replicated) leaf.
+    offset: per owned leaf, its offset in the owner's flat buffer of its dtype.
+    sizes: per dtype name, the flat buffer length per device (max over devices, >= 1).
+    shared: indices of shared leaves, in order.
+    shapes, dtypes: per leaf.
+  """
+
+  owner: tuple[int, ...]
+  offset: tuple[int, ...]
+  sizes: tuple[tuple[str, int], ...]
+  shared: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[str, ...]
+  devices: int
+
+  def bytes_per_device(self) -> list[int]:
+    """Parameter bytes each model-axis device owns (excluding shared and padding)."""
+    out = [0] * self.devices
+    for i, d in enumerate(self.owner):
+      if d >= 0:
+        out[d] += math.prod(self.shapes[i]) * np.dtype(self.dtypes[i]).itemsize
+    return out
+
+
+def param_layout(graph: graph_lib.OpGraph, assignment: Sequence[int], devices: int) -> ParamLayout:
+  """Assigns every parameter leaf to the device of the nodes that read it (or shares it)."""
+  avals = graph.param_avals
+  users: list[set[int]] = [set() for _ in avals]
+  for node in graph.nodes:
+    for leaf in node.param_leaves:
+      users[leaf].add(int(assignment[node.id]))
+  owner, offset = [], []
+  fill: dict[tuple[int, str], int] = {}
+  shared = []
+  for i, aval in enumerate(avals):
+    dt = np.dtype(aval.dtype).name
+    if len(users[i]) > 1:
+      owner.append(-1)
+      offset.append(0)
+      shared.append(i)
+      continue
+    d = next(iter(users[i])) if users[i] else 0  # unused leaves: device 0 (zero gradient)
+    pos = fill.get((d, dt), 0)
+    owner.append(d)
+    offset.append(pos)
+    fill[(d, dt)] = pos + int(math.prod(aval.shape))
+  dtypes = sorted({np.dtype(a.dtype).name for a in avals})
+  sizes = tuple((dt, max([1] + [fill.get((d, dt), 0) for d in range(devices)])) for dt in dtypes)
+  return ParamLayout(
+    owner=tuple(owner), offset=tuple(offset), sizes=sizes, shared=tuple(shared),
+    shapes=tuple(tuple(a.shape) for a in avals), dtypes=tuple(np.dtype(a.dtype).name for a in avals),
+    devices=devices,
+  )
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+  """Mesh axes over which a value inside shard_map varies (its 'vma' type)."""
+  t = jax.typeof(x)
+  mat = getattr(t, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(t, "vma", ()))  # older JAX
+
+
+class Task(NamedTuple):
+  node: int
+  microbatch: int
+  device: int
+
+
+def slots_from_schedule(
+  graph: graph_lib.OpGraph,
+  assignment: Sequence[int],
+  microbatches: int,
+  order: Sequence[tuple[int, int]] | None = None,
+) -> list[dict[int, Task]]:
+  """Cuts a schedule into lock-step slots: per slot, at most one task per device.
+
+  A task goes to the first slot after its inputs' slots and after its device's previous task.
+
+  Args:
+    graph: the op graph.
+    assignment: node -> model-axis device.
+    microbatches: number of micro-batches.
+    order: (node, microbatch) in the order the plan starts them; default: micro-batch-major
+      topological order (GPipe-like fill).
+
+  Returns:
+    A list of slots, each a dict device -> Task.
+  """
+  preds: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
+  for e in graph.edges:
+    preds[e.dst].add(e.src)
+  if order is None:
+    order = [(n.id, m) for m in range(microbatches) for n in graph.nodes]
+  slot_of: dict[tuple[int, int], int] = {}
+  last: dict[int, int] = {}
+  slots: list[dict[int, Task]] = []
+  for node, mb in order:
+    d = int(assignment[node])
+    s = last.get(d, -1) + 1
+    for p in preds[node]:
+      if (p, mb) not in slot_of:
+        raise ValueError(f"schedule order runs node {node} (micro-batch {mb}) before its input {p}")
+      s = max(s, slot_of[(p, mb)] + 1)
+    while len(slots) <= s:
+      slots.append({})
+    if d in slots[s]:  # cannot happen: s > last[d]
+      raise RuntimeError("internal: two tasks on one device in one slot")
+    slots[s][d] = Task(node, mb, d)
+    slot_of[(node, mb)] = s
+    last[d] = s
+  return slots
+
+
+# ---- the program ------------------------------------------------------------------------------
+
+class TrainState(NamedTuple):
+  """Parameters and optimizer state of the hybrid program (owned rows + shared leaves)."""
+
+  params: dict[str, Any]  # {'owned': {dtype: [model, size]}, 'shared': [leaves]}
+  opt_state: Any
+  step: jax.Array
+
+
+@dataclasses.dataclass
+class HybridProgram:
+  """One compiled DP x MP train step for a placed graph.
+
+  Build with `HybridProgram.build(...)`; then `state = prog.init_state(param_leaves)` and
+  `state, metrics = prog.step(state, batch)` (the batch is the global batch, a pytree like the
+  traced one with the leading dimension data x per-worker batch).
+  """
+
+  graph: graph_lib.OpGraph
+  mesh: jax.sharding.Mesh
+  optimizer: optax.GradientTransformation
+  assignment: tuple[int, ...]
+  microbatches: int
+  layout: ParamLayout
+  slots: list[dict[int, Task]]
+  per_example: tuple[bool, ...]
+  state_leaves: tuple[Any, ...]
+  remat: frozenset[int]
+  _step: Callable | None = None
+
+  # ---- construction ---------------------------------------------------------------------------
+  @classmethod
+  def build(
+    cls,
+    graph: graph_lib.OpGraph,
+    mesh: jax.sharding.Mesh,
+    optimizer: optax.GradientTransformation,
+    assignment: Sequence[int],
+    *,
+    microbatches: int = 1,
+    order: Sequence[tuple[int, int]] | None = None,
+    state: Any = None,
+    per_example: Sequence[bool] | None = None,
+    remat: Sequence[str] = (),
+  ) -> HybridProgram:
+    """Builds the program.
+
+    Args:
+      graph: the op graph, traced at the MICRO-batch size.
+      mesh: a ('data', 'model') mesh (jaxhybrid.mesh.make).
+      optimizer: an optax transformation (elementwise ones act exactly; see module docstring).
+      assignment: node id -> model-axis device index.
+      microbatches: micro-batches per worker batch.
+      order: (node, microbatch) start order from the plan's schedule.
+      state: concrete read-only model state leaves (e.g. BatchNorm statistics), if any.
+      per_example: per batch leaf, whether it has a leading batch dimension (default: leaves
+        whose leading dimension equals the traced micro-batch size).
+      remat: node names to rematerialise in the backward pass.
+
+    Raises:
+      ValueError: if the assignment does not fit the graph or the mesh.
+    """
+    M = mesh.shape[MODEL]
+    if len(assignment) != len(graph.nodes):
+      raise ValueError(
+        f"the plan places {len(assignment)} nodes but the graph has {len(graph.nodes)}: "
+        "re-plan for this graph"
+      )
+    if assignment and max(assignment) >= M:
+      raise ValueError(
+        f"the plan uses {max(assignment) + 1} model-axis devices but the mesh has {M}: "
+        f"use a mesh with model={max(assignment) + 1} or re-plan with devices={M}"
+      )
+    batch_avals = [
+      v.aval for v, (k, _) in zip(graph.jaxpr.invars, graph.input_kinds) if k == graph_lib.BATCH
+    ]
+    if per_example is None:
+      sizes = [a.shape[0] for a in batch_avals if a.shape]
+      mb = max(set(sizes), key=sizes.count) if sizes else 1
+      per_example = [bool(a.shape) and a.shape[0] == mb for a in batch_avals]
+    n_state = sum(1 for k, _ in graph.input_kinds if k == graph_lib.STATE)
+    state_leaves = tuple(jax.tree.leaves(state)) if state is not None else ()
+    if len(state_leaves) != n_state:
+      raise ValueError(f"the graph reads {n_state} state leaves, got {len(state_leaves)}")
+    names = {n.name: n.id for n in graph.nodes}
+    unknown = [r for r in remat if r not in names]
+    if unknown:
+      raise ValueError(f"remat names unknown nodes {unknown}; known: {sorted(names)[:10]}...")
+    prog = cls(
+      graph=graph, mesh=mesh, optimizer=optimizer, assignment=tuple(int(a) for a in assignment),
+      microbatches=microbatches, layout=param_layout(graph, assignment, M),
+      slots=slots_from_schedule(graph, assignment, microbatches, order),
+      per_example=tuple(per_example), state_leaves=state_leaves,
+      remat=frozenset(names[r] for r in remat),
+    )
+    return prog
+
+  # ---- parameter packing ----------------------------------------------------------------------
+  def pack(self, leaves: Sequence[Any]) -> dict[str, Any]:
+    """Flat parameter leaves (graph order) -> {'owned': {dtype: [M, size]}, 'shared': [...]}.
+
+    Built on the host with numpy; use for models that fit in host memory.
+    """
+    lay = self.layout
+    rows = {dt: np.zeros((lay.devices, n), dt) for dt, n in lay.sizes}
+    for i, leaf in enumerate(leaves):
+      d = lay.owner[i]
+      if d < 0:
+        continue
+      flat = np.asarray(leaf).reshape(-1)
+      rows[lay.dtypes[i]][d, lay.offset[i] : lay.offset[i] + flat.size] = flat
+    owned_sh = NamedSharding(self.mesh, P(MODEL, None))
+    rep = NamedSharding(self.mesh, P())
+    return {
+      "owned": {dt: jax.device_put(r, owned_sh) for dt, r in rows.items()},
+      "shared": [jax.device_put(np.asarray(leaves[i]), rep) for i in lay.shared],
+    }
+
+  def unpack(self, params: dict[str, Any]) -> list[np.ndarray]:
+    """The inverse of `pack`: flat parameter leaves in graph order (on the host)."""
+    lay = self.layout
+    rows = {dt: np.asarray(r) for dt, r in params["owned"].items()}
+    shared = dict(zip(lay.shared, params["shared"]))
+    out = []
+    for i, shape in enumerate(lay.shapes):
+      if lay.owner[i] < 0:
+        out.append(np.asarray(shared[i]))
+      else:
+        n = math.prod(shape)
+        out.append(rows[lay.dtypes[i]][lay.owner[i], lay.offset[i] : lay.offset[i] + n].reshape(shape))
+    return out
+
+  def _param_specs(self) -> dict[str, Any]:
+    return {
+      "owned": {dt: P(MODEL, None) for dt, _ in self.layout.sizes},
+      "shared": [P() for _ in self.layout.shared],
+    }
+
+  def _opt_specs(self, opt_state: Any) -> Any:
+    specs = self._param_specs()
+    try:
+      return optax.tree_map_params(
+        self.optimizer, lambda _, s: s, opt_state, specs,
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
+      )
+    except Exception:  # pragma: no cover - unusual optimizer state; fall back to shapes
+      rows = {(self.layout.devices, n) for _, n in self.layout.sizes}
+      return jax.tree.map(lambda x: P(MODEL, None) if tuple(np.shape(x)) in rows else P(), opt_state)
+
+  def init_state(self, leaves: Sequence[Any]) -> TrainState:
+    """Packs parameter leaves and initialises the optimizer state on the mesh."""
+    params = self.pack(leaves)
+    abstract = jax.eval_shape(self.optimizer.init, params)
+    specs = self._opt_specs(abstract)
+    shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
+    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+  # ---- the step -------------------------------------------------------------------------------
+  def _vary(self, x: jax.Array) -> jax.Array:
+    """Marks x as varying over both mesh axes (switch branches must agree on this)."""
+    if not CHECK_VMA:
+      return x
+    have = _varying_axes(x)
+    missing = tuple(a for a in (DATA, MODEL) if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  def _local_loss(self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any], batch: Sequence[Any]) -> jax.Array:
+    """The placed forward on one device: returns the loss on the loss node's device, 0 elsewhere."""
+    g, lay, k = self.graph, self.layout, self.microbatches
+    jaxpr = g.jaxpr
+    # Inputs by jaxpr invar.
+    kinds = dict(zip(jaxpr.invars, g.input_kinds))
+    consts = dict(zip(jaxpr.constvars, g.closed_jaxpr.consts))
+    shared_pos = {leaf: j for j, leaf in enumerate(lay.shared)}
+    # Micro-batches: [local_batch, ...] -> k x [mb, ...]
+    mbatches = []
+    for j, x in enumerate(batch):
+      if self.per_example[j]:
+        x = x.reshape((k, x.shape[0] // k) + x.shape[1:])
+        mbatches.append([x[m] for m in range(k)])
+      else:
+        mbatches.append([x] * k)
+    env: dict[tuple[Any, int], jax.Array] = {}
+    me = lax.axis_index(MODEL)
+
+    def value(v, mb, own_rows):
+      if v in consts:
+        return consts[v]
+      if v in kinds:
+        kind, idx = kinds[v]
+        if kind == graph_lib.PARAM:
+          if lay.owner[idx] < 0:
+            return shared[shared_pos[idx]]
+          n = math.prod(lay.shapes[idx])
+          row = own_rows[lay.dtypes[idx]]
+          return lax.slice(row, (lay.offset[idx],), (lay.offset[idx] + n,)).reshape(lay.shapes[idx])
+        if kind == graph_lib.STATE:
+          return state[idx]
+        return mbatches[idx][mb]
+      return env[(v, mb)]
+
+    consumers: dict[Any, set[int]] = {}
+    for n in g.nodes:
+      for v in n.invars:
+        consumers.setdefault(v, set()).add(self.assignment[n.id])
+
+    node_fns = {}
+
+    def fn_of(nid):
+      if nid not in node_fns:
+        f = g.node_fn(g.nodes[nid])
+        node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
+      return node_fns[nid]
+
+    for slot in self.slots:
+      tasks = [slot[d] for d in sorted(slot)]
+      # Operands shared by all branches: activations and batch/state values the slot's tasks read.
+      op_keys: list[tuple[Any, int]] = []
+      for t in tasks:
+        for v in g.nodes[t.node].invars:
+          if v in consts or (v in kinds and kinds[v][0] == graph_lib.PARAM):
+            continue
+          if (v, t.microbatch) not in op_keys:
+            op_keys.append((v, t.microbatch))
+      out_keys = [(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars]
+      out_avals = [v.aval for v, _ in out_keys]
+
+      def make_branch(dev, tasks=tasks, op_keys=op_keys, out_keys=out_keys, out_avals=out_avals):
+        def branch(rows, shared_leaves, ops):
+          local = dict(zip(op_keys, ops))
+          results: dict[tuple[Any, int], jax.Array] = {}
+          for t in tasks:
+            if t.device != dev:
+              continue
+            node = g.nodes[t.node]
+            args = []
+            for v in node.invars:
+              if (v, t.microbatch) in local:
+                args.append(local[(v, t.microbatch)])
+              elif v in kinds and kinds[v][0] == graph_lib.PARAM:
+                idx = kinds[v][1]
+                if lay.owner[idx] < 0:
+                  args.append(shared_leaves[shared_pos[idx]])
+                else:
+                  args.append(value(v, t.microbatch, rows))
+              else:
+                args.append(value(v, t.microbatch, rows))
+            outs = fn_of(t.node)(*args)
+            for v, o in zip(node.outvars, outs):
+              results[(v, t.microbatch)] = o
+          return [
+            self._vary(results[key]) if key in results else self._vary(jnp.zeros(a.shape, a.dtype))
+            for key, a in zip(out_keys, out_avals)
+          ]
+
+        return branch
+
+      ops = [self._vary(value(v, mb, owned)) for v, mb in op_keys]
+      if len(tasks) == 1 and self.layout.devices == 1:
+        outs = make_branch(tasks[0].device)(owned, shared, ops)
+      else:
+        branches = [make_branch(d) for d in range(self.layout.devices)]
+        outs = lax.switch(me, branches, owned, shared, ops)
+      for key, o in zip(out_keys, outs):
+        env[key] = o
+      # Transfers: values made in this slot that other devices read, outside any branch.
+      for t in tasks:
+        for v in g.nodes[t.node].outvars:
+          for dst in sorted(consumers.get(v, set()) - {t.device}):
+            x = env[(v, t.microbatch)]
+            recv = lax.ppermute(x, MODEL, perm=[(t.device, dst)])
+            env[(v, t.microbatch)] = jnp.where(me == dst, recv, x)
+
+    loss_var = jaxpr.outvars[0]
+    total = sum(env[(loss_var, m)] for m in range(k)) / k
+    return total
+
+  def _build_step(self) -> Callable:
+    mesh = self.mesh
+    W = mesh.shape[DATA]
+    batch_specs = tuple(P(DATA) if pe else P() for pe in self.per_example)
+    state_specs = tuple(P() for _ in self.state_leaves)
+
+    def body(params, opt_state, state, batch):
+      owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
+      owned_v = jax.tree.map(self._vary, owned)
+      shared_v = [self._vary(x) for x in params["shared"]]
+      state_v = [self._vary(x) for x in state]
+      batch_v = [self._vary(x) for x in batch]
+      loss, (g_owned, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
+        owned_v, shared_v, state_v, batch_v
+      )
+      g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
+      g_shared = [lax.pmean(lax.psum(x, MODEL), DATA) for x in g_shared]
+      # Gradient norms for the noise scale: |g_worker|^2 (per-worker batch) averaged over
+      # workers, and |g|^2 of the averaged (global-batch) gradient.
+      sq_local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g_owned))
+      loss = lax.pmean(lax.psum(loss, MODEL), DATA)
+      grads = {"owned": jax.tree.map(lambda x: x[None], g_owned), "shared": g_shared}
+      updates, opt_state = self.optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      gsq = lax.psum(sq_local, MODEL) + sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g_shared)
+      return params, opt_state, loss, gsq
+
+    return body, batch_specs, state_specs, W
+
+  def step_fn(self) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """The jitted step `(state, batch) -> (state, metrics)`; the state is donated."""
+    if self._step is not None:
+      return self._step
+    body, batch_specs, state_specs, _ = self._build_step()
+    param_specs = self._param_specs()
+    mesh = self.mesh
+
+    def step(ts: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+      leaves = jax.tree.leaves(batch)
+      opt_specs = self._opt_specs(ts.opt_state)
+      f = jax.shard_map(
+        body, mesh=mesh, check_vma=CHECK_VMA,
+        in_specs=(param_specs, opt_specs, state_specs, batch_specs),
+        out_specs=(param_specs, opt_specs, P(), P()),
+      )
+      params, opt_state, loss, gsq = f(ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves))
+      return TrainState(params, opt_state, ts.step + 1), {"loss": loss, "grad_sq_norm": gsq}
+
+    self._step = jax.jit(step, donate_argnums=0)
+    return self._step
+
+  def step(self, ts: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One training step on a global batch; see `step_fn`."""
+    return self.step_fn()(ts, self.shard_batch(batch))
+
+  def shard_batch(self, batch: Any) -> list[jax.Array]:
+    """Puts a global batch on the mesh: per-example leaves split over 'data'."""
+    leaves = jax.tree.leaves(batch)
+    if len(leaves) != len(self.per_example):
+      raise ValueError(f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)}")
+    W, k = self.mesh.shape[DATA], self.microbatches
+    out = []
+    for x, pe in zip(leaves, self.per_example):
+      if pe and np.shape(x)[0] % (W * k):
+        raise ValueError(
+          f"batch dimension {np.shape(x)[0]} is not divisible by data ({W}) x micro-batches ({k}): "
+          f"use a global batch that is a multiple of {W * k}"
+        )
+      out.append(jax.device_put(x, NamedSharding(self.mesh, P(DATA) if pe else P())))
+    return out
+
+  def lower(self, ts: TrainState, batch: Any):
+    """Lowers the step (for HLO inspection and `compile().memory_analysis()`)."""
+    return self.step_fn().lower(ts, self.shard_batch(batch))
