@@ -1,0 +1,203 @@
+"""The one-call API: trace -> cost -> place -> compile a hybrid DP x MP train step.
+
+Example (NNX):
+
+```python
+import jaxhybrid, optax
+hybrid = jaxhybrid.parallelize(model, loss_fn, optax.adam(1e-3), batch, mesh="4x2",
+                               microbatches=2)
+print(hybrid.plan.summary())
+state = hybrid.init()
+for batch in data:
+  state, metrics = hybrid.step(state, batch)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid import mesh as mesh_lib
+from jaxhybrid import program as program_lib
+
+log = logging.getLogger(__name__)
+
+PLANNERS = ("milp", "etf", "dp", "single")
+
+
+def _leading(x: Any) -> int | None:
+  shape = np.shape(x) if not hasattr(x, "shape") else x.shape
+  return shape[0] if len(shape) else None
+
+
+def microbatch_spec(batch: Any, global_batch: int, micro: int) -> tuple[Any, list[bool]]:
+  """Abstract batch at the micro-batch size and, per leaf, whether it is per-example.
+
+  A leaf is per-example when its leading dimension equals the global batch size; other leaves
+  (e.g. BigLSTM's shared `sampled_ids`) are passed whole to every micro-batch.
+  """
+  leaves, treedef = jax.tree.flatten(batch)
+  per_example = [_leading(x) == global_batch for x in leaves]
+  out = [
+    jax.ShapeDtypeStruct((micro,) + tuple(x.shape[1:]), x.dtype) if pe
+    else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    for x, pe in zip(leaves, per_example)
+  ]
+  return jax.tree.unflatten(treedef, out), per_example
+
+
+def default_costs(hardware: str | None = None):
+  """Analytic costs for the named hardware, or for the current backend's device."""
+  from jaxhybrid import costs as costs_lib
+  from jaxhybrid import hardware as hw_lib
+
+  if hardware is None:
+    kind = jax.devices()[0].device_kind.lower()
+    hardware = "cpu"
+    for name, key in (("dgx-h200", "h200"), ("dgx-h100", "h100"), ("dgx-a100", "a100"), ("dgx1-v100", "v100")):
+      if key in kind:
+        hardware = name
+    log.info("costs: analytic for hardware %s (device kind %r)", hardware, kind)
+  return costs_lib.AnalyticCostModel(hw_lib.get(hardware))
+
+
+@dataclasses.dataclass
+class Hybrid:
+  """A placed, compiled hybrid training step and everything that produced it."""
+
+  graph: graph_lib.OpGraph
+  plan: Any
+  program: program_lib.HybridProgram
+  mesh: Any
+  init_leaves: Callable[[int], list[Any]]
+  reference_loss: Callable[[Any, Any, Any], jax.Array]  # f(params, state, batch) single device
+
+  def init(self, seed: int = 0) -> program_lib.TrainState:
+    """Parameters (from the model) packed onto the mesh, plus optimizer state."""
+    return self.program.init_state(self.init_leaves(seed))
+
+  def step(self, state: program_lib.TrainState, batch: Any):
+    """One training step on a global batch -> (state, metrics)."""
+    return self.program.step(state, batch)
+
+  def params(self, state: program_lib.TrainState) -> Any:
+    """The parameters as the model's pytree (gathered on the host)."""
+    return jax.tree.unflatten(self.graph.param_treedef, self.program.unpack(state.params))
+
+
+def parallelize(
+  model: Any,
+  loss_fn: Callable[..., jax.Array],
+  optimizer: optax.GradientTransformation,
+  sample_batch: Any,
+  *,
+  mesh: str | Any = "1x1",
+  microbatches: int = 1,
+  params: Any = None,
+  planner: str = "milp",
+  costs: Any = None,
+  hardware: str | None = None,
+  planner_options: dict[str, Any] | None = None,
+  plan: Any = None,
+  depth: int = 2,
+  max_nodes: int | None = None,
+  remat: Sequence[str] = (),
+) -> Hybrid:
+  """Traces, places and compiles a hybrid DP x MP train step for a Flax model.
+
+  Args:
+    model: an `nnx.Module` (concrete) or a linen `nn.Module`.
+    loss_fn: NNX: `loss_fn(model, batch)`; linen: `loss_fn(params, batch)`; a scalar mean loss.
+    optimizer: an optax transformation.
+    sample_batch: one GLOBAL batch (arrays or `jax.ShapeDtypeStruct`), leading dimension
+      data x per-worker batch on per-example leaves.
+    mesh: "DATAxMODEL" or a Mesh from `jaxhybrid.mesh.make`.
+    microbatches: micro-batches per worker batch (pipelining across the model axis).
+    params: linen only: the concrete parameter pytree.
+    planner: 'milp' (DLPlacer) or a heuristic: 'etf', 'dp', 'single'.
+    costs: a cost model (default: analytic for `hardware` or the current device).
+    hardware: hardware profile name for the default costs.
+    planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...).
+    plan: an existing Plan to apply instead of planning (must be for this graph).
+    depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`).
+    remat: node names to rematerialise.
+
+  Returns:
+    A `Hybrid` with `.graph`, `.plan`, `.program`, `.init()`, `.step()`.
+
+  Raises:
+    ValueError: on an unknown planner, a batch that does not divide, or a plan for another graph.
+  """
+  from jaxhybrid import planner as planner_lib
+
+  if planner not in PLANNERS:
+    raise ValueError(f"planner={planner!r} is unknown: use one of {', '.join(PLANNERS)}")
+  if microbatches < 1:
+    raise ValueError(f"microbatches={microbatches}: use 1 or more")
+  m = mesh_lib.make(mesh) if isinstance(mesh, str) else mesh
+  data, model_ax = m.shape[mesh_lib.DATA], m.shape[mesh_lib.MODEL]
+  leaves = jax.tree.leaves(sample_batch)
+  sizes = [s for s in (_leading(x) for x in leaves) if s is not None]
+  if not sizes:
+    raise ValueError("the sample batch has no leaf with a batch dimension")
+  global_batch = max(set(sizes), key=sizes.count)
+  if global_batch % (data * microbatches):
+    raise ValueError(
+      f"global batch {global_batch} is not divisible by data ({data}) x micro-batches "
+      f"({microbatches}): use a batch that is a multiple of {data * microbatches}"
+    )
+  micro = global_batch // (data * microbatches)
+  spec, per_example = microbatch_spec(sample_batch, global_batch, micro)
+
+  if graph_lib.is_nnx_module(model):
+    _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
+    g = graph_lib.trace_function(pure, p, s, spec, depth=depth, max_nodes=max_nodes)
+    _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
+    state_leaves = jax.tree.leaves(s)
+
+    def init_leaves(seed: int) -> list[Any]:
+      del seed  # the NNX model carries its own initial values
+      return jax.tree.leaves(p)
+
+    reference = pure_plain
+  elif graph_lib.is_linen_module(model):
+    if params is None:
+      raise ValueError("a linen model needs params=... (concrete, from model.init)")
+    g = graph_lib.trace(model, loss_fn, spec, params=params, depth=depth, max_nodes=max_nodes)
+    state_leaves = []
+
+    def init_leaves(seed: int) -> list[Any]:
+      del seed
+      return jax.tree.leaves(params)
+
+    def reference(p_, s_, b_):
+      del s_
+      return loss_fn(p_, b_)
+  else:
+    raise ValueError(f"cannot parallelize {type(model).__name__}: pass an nnx.Module or a linen Module")
+
+  if plan is None:
+    c = costs if costs is not None else default_costs(hardware)
+    opts = dict(planner_options or {})
+    opts.setdefault("microbatches", microbatches)
+    opts.setdefault("method", planner)
+    plan = planner_lib.place(g, c, devices=model_ax, **opts)
+  elif getattr(plan, "graph_fingerprint", g.fingerprint()) != g.fingerprint():
+    raise ValueError(
+      f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
+      f"{g.fingerprint()}: re-plan (or check model size, batch and micro-batches)"
+    )
+  order = [(t.node, t.microbatch) for t in sorted(plan.schedule, key=lambda t: (t.start_s, t.node, t.microbatch))]
+  prog = program_lib.HybridProgram.build(
+    g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
+    state=state_leaves, per_example=per_example, remat=remat,
+  )
+  return Hybrid(graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves, reference_loss=reference)
