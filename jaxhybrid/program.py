@@ -122,6 +122,23 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
   return frozenset(getattr(t, "vma", ()))  # older JAX
 
 
+def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A global array from a host value that every process holds in full (multi-host safe)."""
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  """The full value of a global array on this host (gathers across processes if needed)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class Task(NamedTuple):
   node: int
   microbatch: int
@@ -285,18 +302,16 @@ class HybridProgram:
         continue
       flat = np.asarray(leaf).reshape(-1)
       rows[lay.dtypes[i]][d, lay.offset[i] : lay.offset[i] + flat.size] = flat
-    owned_sh = NamedSharding(self.mesh, P(MODEL, None))
-    rep = NamedSharding(self.mesh, P())
     return {
-      "owned": {dt: jax.device_put(r, owned_sh) for dt, r in rows.items()},
-      "shared": [jax.device_put(np.asarray(leaves[i]), rep) for i in lay.shared],
+      "owned": {dt: _global(r, NamedSharding(self.mesh, P(MODEL, None))) for dt, r in rows.items()},
+      "shared": [_global(np.asarray(leaves[i]), NamedSharding(self.mesh, P())) for i in lay.shared],
     }
 
   def unpack(self, params: dict[str, Any]) -> list[np.ndarray]:
     """The inverse of `pack`: flat parameter leaves in graph order (on the host)."""
     lay = self.layout
-    rows = {dt: np.asarray(r) for dt, r in params["owned"].items()}
-    shared = dict(zip(lay.shared, params["shared"]))
+    rows = {dt: _host(r) for dt, r in params["owned"].items()}
+    shared = dict(zip(lay.shared, (_host(x) for x in params["shared"])))
     out = []
     for i, shape in enumerate(lay.shapes):
       if lay.owner[i] < 0:
@@ -520,7 +535,7 @@ class HybridProgram:
           f"batch dimension {np.shape(x)[0]} is not divisible by data ({W}) x micro-batches ({k}): "
           f"use a global batch that is a multiple of {W * k}"
         )
-      out.append(jax.device_put(x, NamedSharding(self.mesh, P(DATA) if pe else P())))
+      out.append(_global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P())))
     return out
 
   def lower(self, ts: TrainState, batch: Any):
