@@ -1,0 +1,280 @@
+r"""Model-parallel speed on one-core CPU devices: measured vs predicted, and against plain JAX.
+
+    python experiments/bench_mp.py --models=inception_v3,gnmt,biglstm --out=bench_mp.json
+
+Each device is its own process pinned to its own core (jaxhybrid.localcluster), joined by
+jax.distributed with gloo collectives; the 1-device baseline is one such process. Per model:
+1. (2 processes) the ppermute link between two such devices is calibrated (alpha, bandwidth);
+2. (1 process) node times are profiled (forward+backward, one core), the DLPlacer plan for 2
+   devices is made from them, and the plain `jax.jit` single-device step is timed;
+3. (2 processes) the plan runs as the hybrid program on mesh 1x2; a plain `jax.jit`
+   data-parallel step and the hybrid program are timed on mesh 2x1; a GSPMD tensor-parallel
+   `jax.jit` step (each weight sharded over 'model' on its largest divisible dimension) is timed
+   on mesh 1x2.
+Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan,
+predicted_speedup (the plan's, from profiled costs), prediction_error = |pred - meas| / meas,
+overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
+fast as plain jit), ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
+Step times are medians over --steps timed steps after --warmup steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+# Worker processes pin their core before JAX starts.
+if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver" not in sys.argv:
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from jaxhybrid import localcluster
+
+  localcluster.worker_setup()
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["inception_v3", "gnmt", "biglstm"], "Models to benchmark.")
+flags.DEFINE_string("size", "small", "Model size preset (a step of about a second on one core).")
+flags.DEFINE_integer("batch", 0, "Per-worker batch (0: the model's bench default).")
+flags.DEFINE_integer("microbatches", 0, "Micro-batches for the plan (0: model default).")
+flags.DEFINE_string("planner", "milp", "Planner method.")
+flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
+flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
+flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
+flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
+flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
+flags.DEFINE_string("out", "", "Write the JSON results here.")
+flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
+flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
+
+# Per-model bench defaults: (per-worker batch, micro-batches). Named so they are visible.
+BENCH_DEFAULTS = {"inception_v3": (8, 1), "gnmt": (16, 4), "biglstm": (16, 4)}
+
+
+def _overrides() -> dict:
+  import ast
+
+  out = {}
+  for kv in FLAGS.set:
+    k, _, v = kv.partition("=")
+    try:
+      out[k] = ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+      out[k] = v
+  return out
+
+
+def _batch_k(name: str) -> tuple[int, int]:
+  b, k = BENCH_DEFAULTS.get(name, (8, 1))
+  return FLAGS.batch or b, FLAGS.microbatches or k
+
+
+def _timeit(fn, state, batch, steps, warmup):
+  import jax
+
+  for _ in range(warmup):
+    state, m = fn(state, batch)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = fn(state, batch)
+    jax.block_until_ready((state, m))
+    times.append(time.perf_counter() - t0)
+  import numpy as np
+
+  return float(np.median(times)), state
+
+
+def _model(name):
+  from flax import nnx
+
+  from jaxhybrid import models
+
+  spec = models.get(name, FLAGS.size, **_overrides())
+  return spec, spec.make(nnx.Rngs(0))
+
+
+def _plain_step(pure, opt):
+  import jax
+  import optax
+
+  def step(carry, batch):
+    params, opt_state, state = carry
+    loss, g = jax.value_and_grad(pure)(params, state, batch)
+    u, opt_state = opt.update(g, opt_state, params)
+    return (optax.apply_updates(params, u), opt_state, state), loss
+
+  return step
+
+
+# ---- worker roles -----------------------------------------------------------------------------
+
+def role_calibrate(work: pathlib.Path) -> None:
+  import jax
+
+  from jaxhybrid import calibrate, localcluster
+
+  localcluster.worker_init()
+  link = calibrate.calibrate_link(jax.devices())
+  if jax.process_index() == 0:
+    (work / "link.json").write_text(json.dumps({"alpha_s": link.alpha_s, "bandwidth": link.bandwidth_bytes_s}))
+
+
+def _link(work):
+  from jaxhybrid import costs
+
+  d = json.loads((work / "link.json").read_text())
+  return costs.Link(alpha_s=d["alpha_s"], bandwidth_bytes_s=d["bandwidth"], source="calibrated ppermute, one-core processes")
+
+
+def role_single(work: pathlib.Path, name: str) -> None:
+  import jax
+  import numpy as np
+  import optax
+
+  from jaxhybrid import api, costs, graph as graph_lib, planner
+
+  spec, model = _model(name)
+  b, k = _batch_k(name)
+  batch = spec.synthetic_batch(0, b)
+  micro_spec, _ = api.microbatch_spec(batch, b, b // k)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
+  g = graph_lib.trace_function(pure, p, s, micro_spec)
+  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work))
+  t0 = time.perf_counter()
+  plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner, time_limit_s=FLAGS.time_limit)
+  plan_s = time.perf_counter() - t0
+  plan.save(work / f"plan_{name}.json")
+  opt = optax.adam(1e-4)
+  _, p_plain, s_plain, pure_plain = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
+  step = jax.jit(_plain_step(pure_plain, opt), donate_argnums=0)
+  carry = (p_plain, opt.init(p_plain), s_plain)
+  t, _ = _timeit(step, carry, jax.tree.map(np.asarray, batch), FLAGS.steps, FLAGS.warmup)
+  (work / f"single_{name}.json").write_text(json.dumps({
+    "step_s_1dev": t, "predicted_speedup": plan.predicted_speedup,
+    "predicted_step_s": plan.predicted_step_s, "predicted_1dev_s": plan.single_device_s,
+    "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
+    "nodes": len(g.nodes), "batch": b, "microbatches": k,
+  }))
+
+
+def role_multi(work: pathlib.Path, name: str) -> None:
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxhybrid import api, graph as graph_lib, localcluster, mesh as mesh_lib, planner
+
+  localcluster.worker_init()
+  spec, model = _model(name)
+  b, k = _batch_k(name)
+  opt = optax.adam(1e-4)
+  out = {}
+  # 1) the plan on mesh 1x2
+  plan = planner.Plan.load(work / f"plan_{name}.json")
+  batch = spec.synthetic_batch(0, b)
+  hy = api.parallelize(model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan)
+  fn = lambda st, bt: hy.program.step_fn()(st, bt)  # noqa: E731
+  out["step_s_plan"], _ = _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)
+  # 2) data parallel 2x1: plain jit vs the hybrid program (one-device plan)
+  batch2 = spec.synthetic_batch(0, 2 * b)
+  m21 = mesh_lib.make("2x1")
+  hy21 = api.parallelize(model, spec.loss_fn, opt, batch2, mesh=m21, microbatches=1, planner="single")
+  fn21 = lambda st, bt: hy21.program.step_fn()(st, bt)  # noqa: E731
+  out["step_s_hybrid_2x1"], _ = _timeit(fn21, hy21.init(), hy21.program.shard_batch(batch2), FLAGS.steps, FLAGS.warmup)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
+  rep = NamedSharding(m21, P())
+  put = lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])  # noqa: E731
+  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  data_sh = lambda x: NamedSharding(m21, P("data") if np.ndim(x) and np.shape(x)[0] == 2 * b else P())  # noqa: E731
+  bt = jax.tree.map(lambda x: put(x, data_sh(x)), batch2)
+  step = jax.jit(_plain_step(pure, opt), donate_argnums=0)
+  out["step_s_jit_dp"], _ = _timeit(step, carry, bt, FLAGS.steps, FLAGS.warmup)
+  # 3) GSPMD tensor parallel on 1x2: each weight sharded on its largest dimension divisible by 2
+  m12 = mesh_lib.make("1x2")
+
+  def tp_sharding(x):
+    shape = np.shape(x)
+    dims = [i for i in np.argsort(shape)[::-1] if shape[i] % 2 == 0 and shape[i] >= 2]
+    if not dims or np.ndim(x) < 2:
+      return NamedSharding(m12, P())
+    spec_ = [None] * len(shape)
+    spec_[dims[0]] = "model"
+    return NamedSharding(m12, P(*spec_))
+
+  params_tp = jax.tree.map(lambda x: put(x, tp_sharding(x)), p)
+  opt_tp = jax.jit(opt.init)(params_tp)
+  s_tp = jax.tree.map(lambda x: put(x, NamedSharding(m12, P())), s)
+  bt12 = jax.tree.map(lambda x: put(x, NamedSharding(m12, P())), batch)
+  out["step_s_gspmd_tp"], _ = _timeit(jax.jit(_plain_step(pure, opt), donate_argnums=0), (params_tp, opt_tp, s_tp), bt12, FLAGS.steps, FLAGS.warmup)
+  if jax.process_index() == 0:
+    (work / f"multi_{name}.json").write_text(json.dumps(out))
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def _worker_argv(role: str, model: str = "") -> list[str]:
+  argv = [
+    __file__, f"--role={role}", f"--model={model}", f"--size={FLAGS.size}", f"--batch={FLAGS.batch}",
+    f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--time_limit={FLAGS.time_limit}",
+    f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
+  ]
+  return argv + [f"--set={kv}" for kv in FLAGS.set]
+
+
+def driver() -> list[dict]:
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from jaxhybrid import localcluster
+
+  work = pathlib.Path(FLAGS.workdir)
+  work.mkdir(parents=True, exist_ok=True)
+  logging.info("calibrating the link between two one-core processes")
+  localcluster.launch(_worker_argv("calibrate"), 2)
+  cases = []
+  for name in FLAGS.models:
+    logging.info("%s: profile, plan, time 1 device", name)
+    localcluster.launch(_worker_argv("single", name), 1)
+    logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
+    localcluster.launch(_worker_argv("multi", name), 2)
+    single = json.loads((work / f"single_{name}.json").read_text())
+    multi = json.loads((work / f"multi_{name}.json").read_text())
+    meas = single["step_s_1dev"] / multi["step_s_plan"]
+    pred = single["predicted_speedup"]
+    cases.append({
+      "model": name, "size": FLAGS.size, **single, **multi,
+      "measured_speedup": meas,
+      "prediction_error": abs(pred - meas) / meas,
+      "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
+      "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
+    })
+  return cases
+
+
+def main(argv):
+  del argv
+  work = pathlib.Path(FLAGS.workdir)
+  if FLAGS.role == "calibrate":
+    return role_calibrate(work)
+  if FLAGS.role == "single":
+    return role_single(work, FLAGS.model)
+  if FLAGS.role == "multi":
+    return role_multi(work, FLAGS.model)
+  cases = driver()
+  cols = ["model", "step_s_1dev", "step_s_plan", "measured_speedup", "predicted_speedup",
+          "prediction_error", "overhead_ratio_vs_jit_dp", "ratio_vs_gspmd_tp"]
+  print(" ".join(f"{c:>24}" for c in cols))
+  for c in cases:
+    print(" ".join(f"{c[k]:>24.4g}" if isinstance(c[k], float) else f"{c[k]:>24}" for k in cols))
+  if FLAGS.out:
+    pathlib.Path(FLAGS.out).write_text(json.dumps(cases, indent=2))
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,116 @@
+"""One-core-per-device CPU "clusters" on localhost, for honest model-parallel timing.
+
+XLA's CPU backend spreads one device's work over every core, so simulated devices in one process
+compete for the same cores and say nothing about MP speed. Here each device is its own process,
+pinned to its own core with a single-threaded XLA CPU runtime, and the processes join through
+JAX's own runtime (`jax.distributed.initialize`, gloo collectives on localhost).
+
+The parent calls `launch(argv, nprocs)`; the child calls `worker_setup()` FIRST (before importing
+anything that starts JAX), then `worker_init()` after importing jax.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+ENV_RANK = "JAXHYBRID_RANK"
+ENV_NPROCS = "JAXHYBRID_NPROCS"
+ENV_COORD = "JAXHYBRID_COORDINATOR"
+ENV_CORE = "JAXHYBRID_CORE"
+
+# XLA CPU flags for a one-core device: no Eigen thread pool, one intra-op thread.
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(
+  argv: Sequence[str],
+  nprocs: int,
+  *,
+  timeout_s: float = 900,
+  cores: Sequence[int] | None = None,
+  devices_per_process: int = 1,
+  pin: bool = True,
+) -> list[subprocess.CompletedProcess]:
+  """Runs `python argv...` as `nprocs` processes of one JAX job on localhost.
+
+  Args:
+    argv: the script and its arguments (the interpreter is `sys.executable`).
+    nprocs: number of processes.
+    timeout_s: wall-clock limit for the whole job.
+    cores: the core each process is pinned to (default 0, 1, ...; wraps around).
+    devices_per_process: simulated CPU devices per process (1 for timing).
+    pin: pin each process to one core with a single-threaded XLA runtime.
+
+  Returns:
+    The completed processes (returncode, stdout, stderr), rank order.
+
+  Raises:
+    RuntimeError: if a process fails or the job times out; the message holds its stderr tail.
+  """
+  port = free_port()
+  ncpu = os.cpu_count() or 1
+  cores = list(cores) if cores is not None else [i % ncpu for i in range(nprocs)]
+  procs = []
+  for rank in range(nprocs):
+    env = dict(os.environ)
+    env.update({
+      ENV_RANK: str(rank), ENV_NPROCS: str(nprocs), ENV_COORD: f"127.0.0.1:{port}",
+      "JAX_PLATFORMS": "cpu",
+    })
+    flags = f"--xla_force_host_platform_device_count={devices_per_process}"
+    if pin:
+      env[ENV_CORE] = str(cores[rank % len(cores)])
+      flags += " " + SINGLE_THREAD_XLA_FLAGS
+    env["XLA_FLAGS"] = flags
+    procs.append(subprocess.Popen(
+      [sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ))
+  results = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=timeout_s)
+      results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+  except subprocess.TimeoutExpired as e:
+    for p in procs:
+      p.kill()
+    raise RuntimeError(f"local cluster job {argv} timed out after {timeout_s:.0f} s") from e
+  bad = [r for r in results if r.returncode != 0]
+  if bad:
+    tail = "\n".join(bad[0].stderr.strip().splitlines()[-15:])
+    raise RuntimeError(f"local cluster job {list(argv)} failed (rc={bad[0].returncode}):\n{tail}")
+  return results
+
+
+def worker_setup() -> tuple[int, int]:
+  """In a child of `launch`, before JAX starts: pins the core. Returns (rank, nprocs)."""
+  rank = int(os.environ.get(ENV_RANK, "0"))
+  nprocs = int(os.environ.get(ENV_NPROCS, "1"))
+  core = os.environ.get(ENV_CORE)
+  if core is not None and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {int(core)})
+  return rank, nprocs
+
+
+def worker_init() -> None:
+  """In a child of `launch`, after importing jax: joins the job (no-op for one process)."""
+  import jax
+
+  nprocs = int(os.environ.get(ENV_NPROCS, "1"))
+  if nprocs <= 1:
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=os.environ[ENV_COORD],
+    num_processes=nprocs,
+    process_id=int(os.environ[ENV_RANK]),
+  )
