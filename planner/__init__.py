@@ -1,1 +1,23 @@
 """DLPlacer: MILP placement of an op graph on the devices of the model axis."""
+
+from jaxhybrid.planner.gantt import gantt
+from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
+from jaxhybrid.planner.place import place, place_problem
+from jaxhybrid.planner.plan import SCHEMA_VERSION, Plan
+from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.schedule import Task, Transfer, lower_bound, validate_schedule
+
+__all__ = [
+  "InfeasibleError",
+  "Plan",
+  "PlannerOptions",
+  "Problem",
+  "SCHEMA_VERSION",
+  "Task",
+  "Transfer",
+  "gantt",
+  "lower_bound",
+  "place",
+  "place_problem",
+  "validate_schedule",
+]

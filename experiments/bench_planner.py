@@ -1,0 +1,104 @@
+r"""Benchmarks the DLPlacer MILP against the heuristics on the paper-size models.
+
+  python experiments/bench_planner.py --out=/tmp/bench_planner.json
+
+For each model (abstract trace, analytic costs on --hardware) and each M in --devices, k in
+--microbatches: nodes, edges, solve time, status, gap, MILP makespan, lower bound, each
+heuristic's makespan and the predicted MP speedup. Expect every case within --time_limit_s, the
+MILP never worse than a heuristic, and the Inception-V3 2-way speedup printed beside the paper's
+1.32x (PAPER.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+
+from absl import app, flags
+
+from jaxhybrid import costs as costs_lib
+from jaxhybrid import graph as graph_lib
+from jaxhybrid import models
+from jaxhybrid import planner
+
+_MODELS = flags.DEFINE_list("models", ["inception_v3", "gnmt", "biglstm"], "Models to place.")
+_SIZE = flags.DEFINE_string("size", "paper", "Model size preset.")
+_DEVICES = flags.DEFINE_list("devices", ["2", "4"], "Values of M.")
+_MICROBATCHES = flags.DEFINE_list("microbatches", ["1", "4"], "Values of k.")
+_HARDWARE = flags.DEFINE_string("hardware", "dgx1-v100", "Hardware of the analytic cost model.")
+# Per-GPU batches of the paper (PAPER.md): BigLSTM 128, GNMT 128 (sequence length 50 is the GNMT
+# config's default), Inception-V3 64.
+_BATCH_INCEPTION = flags.DEFINE_integer("batch_inception_v3", 64, "Per-GPU batch, Inception-V3.")
+_BATCH_GNMT = flags.DEFINE_integer("batch_gnmt", 128, "Per-GPU batch, GNMT.")
+_BATCH_BIGLSTM = flags.DEFINE_integer("batch_biglstm", 128, "Per-GPU batch, BigLSTM.")
+_GNMT_SEQ = flags.DEFINE_integer("gnmt_seq_len", 50, "GNMT source and target length.")
+_DEPTH = flags.DEFINE_integer("depth", 2, "Module-path components that name a node.")
+_MAX_NODES = flags.DEFINE_integer("max_nodes", None, "Merge adjacent nodes down to this many.")
+_TIME_LIMIT = flags.DEFINE_float("time_limit_s", 60.0, "Planner time limit per case.")
+_THREADS = flags.DEFINE_integer("threads", 2, "Solver threads.")
+_GAP = flags.DEFINE_float("gap", 0.01, "Relative gap tolerance.")
+_OUT = flags.DEFINE_string("out", None, "Write the cases as JSON here.")
+
+PAPER_INCEPTION_2WAY = 1.32  # DLPlacer's predicted 2-way MP speedup for Inception-V3 (PAPER.md)
+
+
+def _trace(name: str):
+  batch = {"inception_v3": _BATCH_INCEPTION, "gnmt": _BATCH_GNMT, "biglstm": _BATCH_BIGLSTM}
+  overrides = {}
+  if name == "gnmt":
+    overrides = dict(max_source_length=_GNMT_SEQ.value, max_target_length=_GNMT_SEQ.value)
+  spec = models.get(name, _SIZE.value, **overrides)
+  return graph_lib.trace(
+    spec.abstract_model(), spec.loss_fn, spec.batch_spec(batch[name].value),
+    depth=_DEPTH.value, max_nodes=_MAX_NODES.value,
+  )
+
+
+def main(argv):
+  del argv
+  logging.getLogger("mip").setLevel(logging.WARNING)
+  cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
+  cases = []
+  header = (f"{'model':<13}{'M':>2}{'k':>3}{'nodes':>6}{'edges':>6}{'time_s':>8}  {'status':<9}"
+            f"{'gap':>7}{'milp_ms':>10}{'lb_ms':>10}  heuristics (ms){'':<30}speedup")
+  print(header)
+  for name in _MODELS.value:
+    graph = _trace(name)
+    for m in (int(v) for v in _DEVICES.value):
+      for k in (int(v) for v in _MICROBATCHES.value):
+        start = time.perf_counter()
+        plan = planner.place(
+          graph, cost_model, devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value,
+          threads=_THREADS.value, gap=_GAP.value,
+        )
+        case = dict(
+          model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
+          edges=len({(e.src, e.dst) for e in graph.edges}),
+          solve_time_s=time.perf_counter() - start, status=plan.status, gap=plan.gap,
+          makespan=plan.predicted_step_s, lower_bound=plan.lower_bound_s,
+          heuristics=dict(plan.heuristics), predicted_speedup=plan.predicted_speedup,
+          single_device_s=plan.single_device_s,
+          milp_not_worse=plan.predicted_step_s <= min(plan.heuristics.values()) * (1 + 1e-9),
+        )
+        cases.append(case)
+        heur = " ".join(f"{h}={v * 1e3:.2f}" for h, v in plan.heuristics.items())
+        line = (f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{case['edges']:>6}"
+                f"{case['solve_time_s']:>8.2f}  {plan.status:<9}{plan.gap:>7.2%}"
+                f"{plan.predicted_step_s * 1e3:>10.2f}{plan.lower_bound_s * 1e3:>10.2f}  "
+                f"{heur:<44} {plan.predicted_speedup:.3f}x")
+        if name == "inception_v3" and m == 2:
+          line += f" (paper: {PAPER_INCEPTION_2WAY}x)"
+        print(line, flush=True)
+  times = [c["solve_time_s"] for c in cases]
+  print(f"cases {len(cases)}: max time {max(times):.1f}s, median {statistics.median(times):.1f}s,"
+        f" max gap {max(c['gap'] for c in cases):.2%}, MILP never worse than a heuristic: "
+        f"{all(c['milp_not_worse'] for c in cases)}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(cases, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,178 @@
+"""`place`: heuristics, then the DLPlacer MILP, then a Plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from jaxhybrid.planner import decompose
+from jaxhybrid.planner import heuristics as heur
+from jaxhybrid.planner import milp
+from jaxhybrid.planner import schedule as sched
+from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
+from jaxhybrid.planner.plan import Plan
+from jaxhybrid.planner.problem import Problem
+
+log = logging.getLogger(__name__)
+
+
+def place(
+  graph: Any,
+  costs: Any,
+  *,
+  devices: int,
+  options: PlannerOptions | None = None,
+  **option_overrides: Any,
+) -> Plan:
+  """Places a traced graph on the `devices` of the model axis.
+
+  Args:
+    graph: an OpGraph (nodes with id, name, param_bytes, out_bytes; edges with src, dst, bytes;
+      fingerprint()).
+    costs: a cost model (node_time_s, transfer_time_s, source, hardware_name).
+    devices: M.
+    options: planner options; `devices` and `option_overrides` replace its fields.
+    **option_overrides: PlannerOptions fields, e.g. microbatches=4, time_limit_s=10.
+
+  Returns:
+    The plan.
+
+  Raises:
+    InfeasibleError: no placement fits the memory caps.
+    ValueError: bad options.
+  """
+  opts = as_options(options, {"devices": devices, **option_overrides})
+  return place_problem(Problem.from_graph(graph, costs, opts), opts)
+
+
+def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
+  """Raises InfeasibleError when memory cannot fit whatever the placement."""
+  if caps is None:
+    return
+  mem = problem.memory_bytes(k)
+  biggest = max(range(problem.num_nodes), key=lambda i: mem[i], default=None)
+  if biggest is not None and mem[biggest] > max(caps):
+    raise InfeasibleError(
+      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {k} micro-batch(es); "
+      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short)."
+    )
+  if sum(mem) > sum(caps):
+    raise InfeasibleError(
+      f"The graph needs {sum(mem):.0f} bytes with {k} micro-batch(es); the {problem.devices} "
+      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short)."
+    )
+
+
+def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Plan:
+  """Places a hand-made or pre-built problem.
+
+  Args:
+    problem: the problem (its `devices` must equal options.devices).
+    options: planner options (default: PlannerOptions(devices=problem.devices)).
+
+  Returns:
+    The plan: the MILP's best schedule (never worse than any heuristic), or, with
+    `options.method` naming a heuristic, that heuristic's.
+
+  Raises:
+    InfeasibleError: memory caps cannot be met (the message says by how much).
+    ValueError: options.devices differs from problem.devices.
+  """
+  t0 = time.monotonic()
+  opts = options or PlannerOptions(devices=problem.devices)
+  if opts.devices != problem.devices:
+    raise ValueError(
+      f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
+      "build the problem with the same options."
+    )
+  k, caps = opts.microbatches, opts.caps()
+  _check_memory(problem, k, caps)
+  lower = sched.lower_bound(problem, k)
+
+  # Heuristics (baselines, warm start, fallback).
+  found: dict[str, heur.Candidate] = {}
+  for name, fn in (("single", heur.single), ("etf", heur.etf), ("dp", heur.contiguous_dp)):
+    if opts.method in ("milp", "local", name):
+      cand = fn(problem, k, caps)
+      if cand is not None:
+        found[name] = cand
+  if opts.method in ("milp", "local") and found:
+    seed_cand = min(found.values(), key=lambda c: c.makespan)
+    budget = opts.time_limit_s * opts.local_search_share
+    found["local"] = heur.local_search(problem, k, caps, seed_cand, budget, seed=opts.seed)
+  if not found:
+    raise InfeasibleError(
+      "No heuristic found a placement within the memory caps "
+      f"{caps} (per-device bytes); the MILP is not attempted without a warm start. Needs: "
+      f"{sum(problem.memory_bytes(k)):.0f} bytes in total."
+    )
+  heuristics = {name: c.makespan for name, c in found.items()}
+  best_name = min(found, key=lambda n: found[n].makespan)
+  best = found[best_name]
+
+  method, solver, status, bound = opts.method, "none", "heuristic", lower
+  if opts.method != "milp":
+    best = found[opts.method]
+  else:
+    solver = opts.solver
+    left = opts.time_limit_s - (time.monotonic() - t0)
+    binding = caps is not None and sum(problem.memory_bytes(k)) > min(caps)
+    result = None
+    if k == 1 and not binding and opts.decompose:
+      dec = decompose.solve(
+        problem, time_limit_s=left, threads=opts.threads, seed=opts.seed, gap=opts.gap,
+        solver=opts.solver, cuts=opts.cuts,
+      )
+      bound = max(bound, dec.bound)
+      if dec.candidate.makespan <= best.makespan:
+        best = dec.candidate
+      status = "optimal" if dec.all_optimal else "feasible"
+    else:
+      sym, _ = decompose.symmetry_group(problem)
+      equal_caps = caps is None or len(set(caps)) == 1
+      result = milp.solve(
+        problem, k, warm=best, caps=caps,
+        interchangeable=range(problem.devices) if sym and equal_caps else (),
+        lower_bound=lower, time_limit_s=max(0.1, left), threads=opts.threads, seed=opts.seed,
+        gap=opts.gap, solver=opts.solver, max_free_pairs=opts.max_free_pairs, cuts=opts.cuts,
+      )
+      if result.candidate is None:
+        log.warning("The MILP found no incumbent (%s) in %.1fs; returning the best heuristic "
+                    "(%s).", result.status, left, best_name)
+        status = "heuristic"
+      else:
+        best = result.candidate
+        status = result.status
+        if not result.restricted:
+          bound = max(bound, result.bound)
+  makespan = best.makespan
+  bound = min(bound, makespan)
+  gap = (makespan - bound) / makespan if makespan > 0 else 0.0
+  # 'optimal' means optimal within the gap tolerance, as solvers report it.
+  if status in ("optimal", "feasible"):
+    status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"
+  single_s = k * sum(problem.compute_s)
+  return Plan(
+    node_names=problem.names,
+    assignment=best.assignment,
+    schedule=sched.to_tasks(problem, best.assignment, [list(r) for r in best.starts]),
+    transfers=sched.to_transfers(problem, best.assignment, [list(r) for r in best.starts]),
+    devices=problem.devices,
+    microbatches=k,
+    node_compute_s=problem.compute_s,
+    node_memory_bytes=problem.memory_bytes(k),
+    predicted_step_s=makespan,
+    single_device_s=single_s,
+    predicted_speedup=single_s / makespan if makespan > 0 else 1.0,
+    lower_bound_s=bound,
+    method=method,
+    solver=solver,
+    status=status,
+    gap=gap,
+    solve_time_s=time.monotonic() - t0,
+    heuristics=heuristics,
+    graph_fingerprint=problem.fingerprint,
+    cost_source=problem.cost_source,
+    hardware=problem.hardware,
+  )

@@ -1,0 +1,156 @@
+"""The Plan: an immutable placement + schedule with its provenance, JSON and a text summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+from typing import Any, Mapping
+
+from jaxhybrid.planner.schedule import Task, Transfer
+
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+  """Where each node runs and when, as predicted by the planner."""
+
+  # Version of the JSON layout; bumped on incompatible changes.
+  schema_version: int = SCHEMA_VERSION
+  # Module path of each node (node id = index).
+  node_names: tuple[str, ...]
+  # Device on the model axis of each node.
+  assignment: tuple[int, ...]
+  # Every (node, micro-batch) task, sorted by start time.
+  schedule: tuple[Task, ...]
+  # Cross-device edges of the schedule (activation forward + gradient backward).
+  transfers: tuple[Transfer, ...] = ()
+  # M and k.
+  devices: int
+  microbatches: int
+  # p_i (forward + backward, one micro-batch) and m_i (bytes on the device) per node.
+  node_compute_s: tuple[float, ...]
+  node_memory_bytes: tuple[float, ...]
+  # Predicted step time (the makespan C), one device's step time (k sum_i p_i), their ratio.
+  predicted_step_s: float
+  single_device_s: float
+  predicted_speedup: float
+  # A proven lower bound on the makespan of any placement.
+  lower_bound_s: float
+  # How the plan was found: method ('milp', 'etf', ...), solver, status ('optimal': gap within
+  # the tolerance; 'feasible': stopped by the time limit with a larger gap; 'heuristic': a
+  # heuristic's plan, asked for or returned because the MILP had no incumbent), the relative gap
+  # (C - lower_bound_s) / C, and the wall-clock time of the search.
+  method: str
+  solver: str
+  status: str
+  gap: float
+  solve_time_s: float
+  # Makespan of each heuristic (name -> seconds; absent when it could not respect memory caps).
+  heuristics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  # Provenance of the inputs.
+  graph_fingerprint: str = ""
+  cost_source: str = ""
+  hardware: str = ""
+
+  def __post_init__(self):
+    object.__setattr__(self, "heuristics", types.MappingProxyType(dict(self.heuristics)))
+
+  def device_loads(self) -> list[float]:
+    """Seconds of compute per device (all micro-batches)."""
+    load = [0.0] * self.devices
+    for t in self.schedule:
+      load[t.device] += t.end_s - t.start_s
+    return load
+
+  def device_memory(self) -> list[float]:
+    """Bytes held per device."""
+    mem = [0.0] * self.devices
+    for i, d in enumerate(self.assignment):
+      mem[d] += self.node_memory_bytes[i]
+    return mem
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-ready dict."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["schedule"] = [dataclasses.asdict(t) for t in self.schedule]
+    out["transfers"] = [dataclasses.asdict(t) for t in self.transfers]
+    out["heuristics"] = dict(self.heuristics)
+    for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
+      out[key] = list(out[key])
+    return out
+
+  def to_json(self) -> str:
+    """JSON text; `Plan.from_json` restores an equal Plan."""
+    return json.dumps(self.to_dict(), indent=1)
+
+  @classmethod
+  def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+    """Inverse of `to_dict`.
+
+    Raises:
+      ValueError: unknown schema version or malformed fields.
+    """
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+      raise ValueError(f"Plan schema_version {version!r}; this planner reads {SCHEMA_VERSION}.")
+    kw = dict(data)
+    try:
+      kw["schedule"] = tuple(Task(**t) for t in data["schedule"])
+      kw["transfers"] = tuple(Transfer(**t) for t in data.get("transfers", ()))
+      for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
+        kw[key] = tuple(data[key])
+      return cls(**kw)
+    except (KeyError, TypeError) as err:
+      raise ValueError(f"Malformed plan: {err}") from err
+
+  @classmethod
+  def from_json(cls, text: str) -> Plan:
+    """Parses `to_json` output."""
+    return cls.from_dict(json.loads(text))
+
+  def save(self, path: str | os.PathLike[str]) -> None:
+    """Writes the JSON to `path`."""
+    with open(path, "w") as f:
+      f.write(self.to_json())
+
+  @classmethod
+  def load(cls, path: str | os.PathLike[str]) -> Plan:
+    """Reads a plan written by `save`.
+
+    Raises:
+      ValueError: the file is not a valid plan (the message names the file).
+    """
+    with open(path) as f:
+      text = f.read()
+    try:
+      return cls.from_json(text)
+    except (ValueError, AttributeError) as err:
+      raise ValueError(f"{os.fspath(path)} is not a valid plan: {err}") from err
+
+  def summary(self) -> str:
+    """Node -> device table, per-device load and memory, and the solver's report."""
+    lines = [
+      f"Plan: {len(self.node_names)} nodes on {self.devices} devices, "
+      f"{self.microbatches} micro-batch(es); method={self.method} solver={self.solver} "
+      f"status={self.status} gap={self.gap:.2%} time={self.solve_time_s:.2f}s",
+      f"  predicted step {self.predicted_step_s * 1e3:.3f} ms, one device "
+      f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.predicted_speedup:.3f}x, "
+      f"lower bound {self.lower_bound_s * 1e3:.3f} ms",
+      "  heuristics: " + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.heuristics.items()),
+      f"  costs: {self.cost_source} {self.hardware}; graph {self.graph_fingerprint}",
+    ]
+    width = max((len(n) for n in self.node_names), default=4)
+    for i, name in enumerate(self.node_names):
+      lines.append(
+        f"  {name:<{width}} -> {self.assignment[i]}   "
+        f"{self.node_compute_s[i] * 1e3:9.3f} ms  {self.node_memory_bytes[i] / 2**20:10.1f} MiB"
+      )
+    for d, (load, mem) in enumerate(zip(self.device_loads(), self.device_memory())):
+      busy = load / self.predicted_step_s if self.predicted_step_s else 0.0
+      lines.append(
+        f"  device {d}: load {load * 1e3:.3f} ms ({busy:.0%} busy), memory {mem / 2**20:.1f} MiB"
+      )
+    return "\n".join(lines)
