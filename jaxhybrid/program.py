@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
+from jaxhybrid import stat_eff
 from jaxhybrid.mesh import DATA, MODEL
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,12 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(t, "vma", ()))  # older JAX
+
+
+def _sq(tree: Any, psum_axis: str | None = None) -> jax.Array:
+  """Sum of squares of a gradient pytree (psum'd over `psum_axis` for per-device shares)."""
+  total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+  return lax.psum(total, psum_axis) if psum_axis else total
 
 
 def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -467,6 +474,13 @@ class HybridProgram:
     total = sum(env[(loss_var, m)] for m in range(k)) / k
     return total
 
+  @property
+  def per_worker_batch(self) -> int:
+    """Examples per worker and step (micro-batch size x micro-batches)."""
+    avals = [v.aval for v, (k, _) in zip(self.graph.jaxpr.invars, self.graph.input_kinds) if k == graph_lib.BATCH]
+    sizes = [a.shape[0] for a, pe in zip(avals, self.per_example) if pe]
+    return (sizes[0] if sizes else 1) * self.microbatches
+
   def _build_step(self) -> Callable:
     mesh = self.mesh
     W = mesh.shape[DATA]
@@ -482,17 +496,17 @@ class HybridProgram:
       loss, (g_owned, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
         owned_v, shared_v, state_v, batch_v
       )
+      g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
+      # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
+      sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
       g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
-      g_shared = [lax.pmean(lax.psum(x, MODEL), DATA) for x in g_shared]
-      # Gradient norms for the noise scale: |g_worker|^2 (per-worker batch) averaged over
-      # workers, and |g|^2 of the averaged (global-batch) gradient.
-      sq_local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g_owned))
+      g_shared = [lax.pmean(x, DATA) for x in g_shared]
+      sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       grads = {"owned": jax.tree.map(lambda x: x[None], g_owned), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      gsq = lax.psum(sq_local, MODEL) + sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g_shared)
-      return params, opt_state, loss, gsq
+      return params, opt_state, loss, (sq_worker, sq_global)
 
     return body, batch_specs, state_specs, W
 
@@ -500,9 +514,10 @@ class HybridProgram:
     """The jitted step `(state, batch) -> (state, metrics)`; the state is donated."""
     if self._step is not None:
       return self._step
-    body, batch_specs, state_specs, _ = self._build_step()
+    body, batch_specs, state_specs, W = self._build_step()
     param_specs = self._param_specs()
     mesh = self.mesh
+    b = self.per_worker_batch
 
     def step(ts: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
       leaves = jax.tree.leaves(batch)
@@ -510,10 +525,16 @@ class HybridProgram:
       f = jax.shard_map(
         body, mesh=mesh, check_vma=CHECK_VMA,
         in_specs=(param_specs, opt_specs, state_specs, batch_specs),
-        out_specs=(param_specs, opt_specs, P(), P()),
+        out_specs=(param_specs, opt_specs, P(), (P(), P())),
       )
-      params, opt_state, loss, gsq = f(ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves))
-      return TrainState(params, opt_state, ts.step + 1), {"loss": loss, "grad_sq_norm": gsq}
+      params, opt_state, loss, (sq_worker, sq_global) = f(
+        ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves)
+      )
+      metrics = {"loss": loss, "grad_sq_norm": sq_global, "grad_sq_norm_worker": sq_worker}
+      if W > 1:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
+        g2, tr = stat_eff.noise_scale_estimates(sq_worker, sq_global, b, W * b)
+        metrics.update(noise_g2=g2, noise_trace_sigma=tr)
+      return TrainState(params, opt_state, ts.step + 1), metrics
 
     self._step = jax.jit(step, donate_argnums=0)
     return self._step
