@@ -55,6 +55,10 @@ _ELEMENTWISE_OK = frozenset("""
 """.split())
 
 
+# Primitives that read only as many operand elements as they output.
+_READS_OUTPUT_ONLY = frozenset({"gather", "dynamic_slice", "slice"})
+
+
 def _aval_bytes(aval: Any) -> int:
   shape = getattr(aval, "shape", None)
   dtype = getattr(aval, "dtype", None)
@@ -126,6 +130,10 @@ def eqn_cost(eqn: Any) -> EqnCost:
   in_bytes = sum(_aval_bytes(v.aval) for v in eqn.invars)
   out_bytes = sum(_aval_bytes(v.aval) for v in eqn.outvars)
   io = float(in_bytes + out_bytes)
+  if name in _READS_OUTPUT_ONLY:
+    # An embedding lookup or a slice reads only the elements it returns (and its indices), not
+    # the whole operand.
+    io = float(2 * out_bytes + sum(_aval_bytes(v.aval) for v in eqn.invars[1:]))
   if name == "dot_general":
     lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
     return EqnCost(float(dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])), io)
@@ -271,17 +279,19 @@ class OpGraph:
 
   def node_fingerprint(self, node: Node) -> str:
     """A hash of one node's computation: its primitives, shapes and parameters."""
-    h = hashlib.sha256()
-    h.update(f"{[str(v.aval) for v in node.invars]}".encode())
-    for e in node.eqns:
-      h.update(f"{e.primitive.name}{[str(v.aval) for v in e.outvars]}".encode())
-      h.update(repr(sorted((k, str(v)[:200]) for k, v in e.params.items())).encode())
-    return h.hexdigest()[:16]
+    # The printed jaxpr names variables canonically (a, b, ...) and shows every primitive, its
+    # wiring, shapes, parameters and nested jaxprs in full, so equal text = equal computation.
+    return hashlib.sha256(str(self.node_jaxpr(node)).encode()).hexdigest()[:16]
 
   def node_jaxpr(self, node: Node) -> Any:
     """A closed jaxpr `node_inputs -> node_outputs` holding the node's equations."""
+    debug = jex.core.DebugInfo(
+      "jaxhybrid node", node.name, tuple(f"in{i}" for i in range(len(node.invars))),
+      tuple(f"out{i}" for i in range(len(node.outvars))),
+    )
     jaxpr = jex.core.Jaxpr(
-      constvars=[], invars=list(node.invars), outvars=list(node.outvars), eqns=list(node.eqns)
+      constvars=[], invars=list(node.invars), outvars=list(node.outvars), eqns=list(node.eqns),
+      effects=frozenset().union(*(e.effects for e in node.eqns)), debug_info=debug,
     )
     return jex.core.ClosedJaxpr(jaxpr, [])
 
@@ -357,6 +367,7 @@ def _merge_runs(runs: list[tuple[str, list[Any]]], max_nodes: int) -> list[tuple
   no parallelism), cheapest pair first; then the cheapest adjacent pair of any kind.
   """
   runs = [(k, list(e)) for k, e in runs]
+  ends = [(k, k) for k, _ in runs]  # (first, last) original key of each merged run, for names
 
   def cost(eqns):
     return sum(eqn_cost(e).flops for e in eqns) + 1.0
@@ -371,10 +382,11 @@ def _merge_runs(runs: list[tuple[str, list[Any]]], max_nodes: int) -> list[tuple
       score = (0 if dependent else 1, cost(runs[i][1]) + cost(runs[i + 1][1]))
       if best_score is None or score < best_score:
         best, best_score = i, score
-    k0, e0 = runs[best]
-    k1, e1 = runs[best + 1]
-    name = k0 if k0 == k1 else _common_prefix(k0, k1)
+    (_, e0), (_, e1) = runs[best], runs[best + 1]
+    first, last = ends[best][0], ends[best + 1][1]
+    name = first if first == last else _common_prefix(first, last)
     runs[best : best + 2] = [(name, e0 + e1)]
+    ends[best : best + 2] = [(first, last)]
   return runs
 
 
@@ -562,13 +574,14 @@ class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
     self._saved: dict[type, Any] = {}
 
   def __enter__(self):
+    from flax import nnx
     from jax._src import source_info_util
 
     paths: dict[int, tuple[str, ...]] = {}
-    for path, mod in self.root.iter_modules():
+    for path, mod in nnx.iter_modules(self.root):
       if path:
         paths[id(mod)] = tuple(str(p) for p in path)
-    classes = {type(m) for _, m in self.root.iter_modules()}
+    classes = {type(m) for _, m in nnx.iter_modules(self.root)}
     for cls in classes:
       orig = cls.__dict__.get("__call__")
       if orig is None:

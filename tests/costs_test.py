@@ -1,0 +1,255 @@
+"""Tests of jaxhybrid.costs (analytic and profiled node times, transfers) and calibrate."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxhybrid import calibrate, costs, graph, hardware
+
+F32 = jnp.float32
+
+
+def _toy_hardware(**overrides) -> hardware.Hardware:
+  fields = dict(
+    name="toy", device_kind="toy", peak_flops=1e12, mem_bandwidth=1e11, memory_bytes=2**30,
+    devices_per_node=4,
+    link_bandwidth=tuple(tuple(0.0 if i == j else 1e10 for j in range(4)) for i in range(4)),
+    link_alpha_s=1e-5, nic_bandwidth=1e9, nic_alpha_s=1e-4, op_overhead_s=1e-6, efficiency=0.5,
+    source="made up for tests",
+  )
+  fields.update(overrides)
+  return hardware.Hardware(**fields)
+
+
+def _matmul_graph(m=64, k=32, n=16):
+  return graph.trace_function(
+    lambda p, s, b: jnp.sum(b @ p), jax.ShapeDtypeStruct((k, n), F32), {},
+    jax.ShapeDtypeStruct((m, k), F32),
+  )
+
+
+class MLP(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.l1 = nnx.Linear(16, 64, rngs=rngs)
+    self.l2 = nnx.Linear(64, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jnp.tanh(self.l1(x)))
+
+
+def _mlp_loss(model, x):
+  return jnp.mean(model(x) ** 2)
+
+
+# ---- analytic --------------------------------------------------------------------------------
+
+
+def test_analytic_roofline_compute_bound():
+  g = _matmul_graph()
+  (node,) = g.nodes
+  hw = _toy_hardware(mem_bandwidth=1e15)  # memory is never the limit
+  model = costs.AnalyticCostModel(hw, backward_factor=2.0)
+  kernels = costs.kernel_count(node.eqns)
+  assert kernels == 2  # the matmul, and the fused reduction
+  fwd = node.flops / (1e12 * 0.5) + kernels * 1e-6
+  assert model.forward_time_s(node) == pytest.approx(fwd)
+  assert model.node_time_s(node) == pytest.approx(3 * fwd)
+  half = costs.AnalyticCostModel(hw, backward_factor=1.0)
+  assert half.node_time_s(node) == pytest.approx(2 * fwd)
+  assert model.step_time_s(g) == pytest.approx(model.node_time_s(node))
+  assert model.source == "analytic" and model.hardware_name == "toy"
+
+
+def test_analytic_roofline_memory_bound():
+  g = _matmul_graph()
+  (node,) = g.nodes
+  hw = _toy_hardware(peak_flops=1e20, op_overhead_s=0.0)  # compute is never the limit
+  model = costs.AnalyticCostModel(hw, memory_efficiency=0.5)
+  assert model.forward_time_s(node) == pytest.approx(node.bytes_accessed / (1e11 * 0.5))
+
+
+def test_kernel_count_multiplies_scan_length():
+  def loss(p, s, b):
+    _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(x @ p + h), h), jnp.zeros((2, 4)), b)
+    return jnp.sum(ys)
+
+  g = graph.trace_function(
+    loss, jax.ShapeDtypeStruct((4, 4), F32), {}, jax.ShapeDtypeStruct((5, 2, 4), F32)
+  )
+  # scan: 5 x (matmul + fused elementwise); outside: the zeros / sum, fused.
+  assert costs.kernel_count(g.nodes[0].eqns) == 5 * 2 + 1
+
+
+def test_analytic_bad_arguments():
+  with pytest.raises(ValueError, match="backward_factor"):
+    costs.AnalyticCostModel(_toy_hardware(), backward_factor=-1)
+  with pytest.raises(ValueError, match="memory_efficiency"):
+    costs.AnalyticCostModel(_toy_hardware(), memory_efficiency=0)
+  with pytest.raises(ValueError, match="Unknown hardware"):
+    costs.AnalyticCostModel("no-such-machine")
+
+
+# ---- transfers and all-reduce ----------------------------------------------------------------
+
+
+def test_transfer_time_alpha_beta():
+  model = costs.AnalyticCostModel(_toy_hardware())
+  assert model.transfer_time_s(1e6, 2, 2) == 0.0
+  assert model.transfer_time_s(1e6, 0, 1) == pytest.approx(1e-5 + 1e6 / 1e10)
+  # Devices 0 and 5 are on different nodes of 4: the NIC.
+  assert model.transfer_time_s(1e6, 0, 5) == pytest.approx(1e-4 + 1e6 / 1e9)
+  with pytest.raises(ValueError):
+    model.transfer_time_s(-1, 0, 1)
+
+
+def test_transfer_on_dgx1_uses_nvlink_counts():
+  model = costs.AnalyticCostModel("dgx1-v100")
+  hw = hardware.get("dgx1-v100")
+  assert model.transfer_time_s(50e6, 0, 3) == pytest.approx(hw.alpha(0, 3) + 50e6 / 50e9)
+  assert model.transfer_time_s(50e6, 0, 1) == pytest.approx(hw.alpha(0, 1) + 50e6 / 25e9)
+
+
+def test_ring_allreduce_formula():
+  p, alpha, bw = 4e8, 1e-5, 1e10
+  for w in (2, 4, 8):
+    want = 2 * (w - 1) * alpha + 2 * (w - 1) / w * p / bw
+    assert costs.ring_allreduce_time_s(p, w, alpha, bw) == pytest.approx(want)
+  assert costs.ring_allreduce_time_s(p, 1, alpha, bw) == 0.0
+  with pytest.raises(ValueError, match="workers"):
+    costs.ring_allreduce_time_s(p, 0, alpha, bw)
+
+
+def test_allreduce_inside_and_across_nodes():
+  model = costs.AnalyticCostModel(_toy_hardware())
+  p = 1e8
+  assert model.allreduce_time_s(p, 1) == 0.0
+  want = costs.ring_allreduce_time_s(p, 4, 1e-5, 1e10)
+  assert model.allreduce_time_s(p, 4) == pytest.approx(want)
+  # 8 workers span two nodes: the NIC is the bottleneck link.
+  assert model.allreduce_time_s(p, 8) == pytest.approx(costs.ring_allreduce_time_s(p, 8, 1e-4, 1e9))
+
+
+def test_dgx1_ring_avoids_missing_links():
+  # The naive ring 0..7 has hop 3->4 without a direct link; the best ring uses double links.
+  alpha, bw = costs.ring_bottleneck(hardware.get("dgx1-v100"), 8)
+  assert bw == 50e9  # e.g. 0-3-2-1-5-6-7-4-0: every hop has two NVLinks
+  assert alpha == hardware.get("dgx1-v100").link_alpha_s
+
+
+def test_link_model():
+  link = costs.Link(alpha_s=2e-6, bandwidth_bytes_s=1e9, source="test")
+  assert costs.transfer_time_s(link, 1e3, 0, 1) == pytest.approx(2e-6 + 1e-6)
+  assert costs.transfer_time_s(link, 1e3, 1, 1) == 0.0
+  with pytest.raises(ValueError, match="bandwidth"):
+    costs.Link(alpha_s=0.0, bandwidth_bytes_s=0.0)
+
+
+# ---- profiled --------------------------------------------------------------------------------
+
+
+def _mlp_graph():
+  model = nnx.eval_shape(lambda: MLP(rngs=nnx.Rngs(0)))
+  return graph.trace(model, _mlp_loss, jax.ShapeDtypeStruct((32, 16), F32), depth=1)
+
+
+def test_profiled_times_are_cached_on_disk(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  calls = []
+  real = costs.time_node
+
+  def counting(*args, **kwargs):
+    calls.append(args[1].name)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(costs, "time_node", counting)
+  first = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=2, warmup=1, link=link)
+  times = first.profile_all()
+  assert calls == ["l1", "l2"] and first.measured == 2
+  assert all(t >= 0 for t in times)
+  assert first.source == "profiled"
+
+  cache = json.loads(first.cache_path.read_text())
+  assert cache["backend"] == jax.default_backend()
+  assert cache["device_kind"] == jax.devices()[0].device_kind
+  assert set(cache["nodes"]) == {g.node_fingerprint(n) for n in g.nodes}
+  assert all(e["raw_s"] > 0 for e in cache["nodes"].values())
+
+  # A new model (as in a new process) reads the cache: nothing is compiled or timed.
+  def fail(*args, **kwargs):
+    raise AssertionError("a cached node was timed again")
+
+  monkeypatch.setattr(costs, "time_node", fail)
+  g2 = _mlp_graph()  # traced again: the same fingerprints
+  second = costs.ProfiledCostModel(
+    g2, cache_dir=tmp_path, repeats=2, warmup=1, link=link, subtract_dispatch=False
+  )
+  assert second.profile_all() == [cache["nodes"][g.node_fingerprint(n)]["raw_s"] for n in g.nodes]
+  assert second.measured == 0
+  assert second.step_time_s(g2) == pytest.approx(sum(second.profile_all()))
+
+
+def test_profiled_handles_int_inputs_and_scan(tmp_path):
+  class Tagger(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(50, 8, rngs=rngs)
+      self.out = nnx.Linear(8, 50, rngs=rngs)
+
+    def __call__(self, tokens):
+      h = self.embed(tokens)  # [time, batch, 8]
+      _, hs = jax.lax.scan(lambda c, x: (jnp.tanh(c + x), c), jnp.zeros(h.shape[1:]), h)
+      return self.out(hs)
+
+  def loss(m, b):
+    logits = m(b["x"])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], -1))
+
+  model = nnx.eval_shape(lambda: Tagger(nnx.Rngs(0)))
+  tok = jax.ShapeDtypeStruct((6, 3), jnp.int32)
+  g = graph.trace(model, loss, {"x": tok, "y": tok}, depth=1)
+  prof = costs.ProfiledCostModel(
+    g, cache_dir=tmp_path, repeats=1, warmup=1, link=costs.Link(alpha_s=0, bandwidth_bytes_s=1)
+  )
+  assert len(prof.profile_all()) == len(g.nodes) == 2
+  assert prof.measured == 2
+
+
+def test_profiled_bad_arguments(tmp_path):
+  with pytest.raises(ValueError, match="repeats"):
+    costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, repeats=0)
+
+
+# ---- calibration and prediction vs measurement -----------------------------------------------
+
+
+def test_calibrate_link_on_two_devices():
+  link = calibrate.calibrate_link(jax.devices()[:2], sizes=(2**10, 2**18), warmup=1, repeats=3)
+  assert link.alpha_s >= 0 and 0 < link.bandwidth_bytes_s < float("inf")
+  assert "ppermute" in link.source
+  with pytest.raises(ValueError, match=">= 2 devices"):
+    calibrate.calibrate_link(jax.devices()[:1])
+
+
+def test_predict_vs_measure(tmp_path):
+  model = MLP(rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (32, 16))
+  _, params, state, pure = graph.nnx_pure_loss(model, _mlp_loss)
+  g = graph.trace(model, _mlp_loss, x, depth=1)
+  analytic = costs.AnalyticCostModel(_toy_hardware())
+  cmp = calibrate.predict_vs_measure(g, analytic, pure, params, state, x, warmup=1, repeats=3)
+  assert cmp.predicted_s == pytest.approx(analytic.step_time_s(g))
+  assert cmp.measured_s > 0
+  assert cmp.relative_error == pytest.approx((cmp.predicted_s - cmp.measured_s) / cmp.measured_s)
+  assert cmp.source == "analytic" and cmp.backend == jax.default_backend()
+  assert "error" in str(cmp)
+
+
+def test_time_table_lists_every_node():
+  g = _mlp_graph()
+  table = costs.time_table(g, costs.AnalyticCostModel("dgx1-v100"))
+  assert "l1" in table and "l2" in table and "single-device step" in table
