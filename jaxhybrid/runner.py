@@ -1,0 +1,598 @@
+"""One training run end to end: model -> trace -> costs -> plan -> hybrid program -> train -> report.
+
+The library behind `experiments/run.py` (which only parses flags). Order of calls:
+
+  config = RunConfig(model="biglstm", mesh="16x2")
+  setup_devices(config)          # BEFORE JAX starts: simulated CPU devices, multi-host init
+  results = run(config)          # writes the workdir, returns results.json's content
+  print(format_report(results))
+
+Bad input raises `jaxhybrid.errors.UsageError` (one line naming the bad value and the fix); the
+entry point turns it into exit status 2.
+
+The workdir holds: config.json (the run's config; --resume checks it), plan.json, metrics.jsonl
+(one JSON object per step), checkpoints/ (orbax), results.json (config, plan summary, metrics,
+predicted and measured step time, projection), gantt.png, loss.png, projection.png.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxhybrid import errors
+from jaxhybrid import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "sgd", "adagrad")
+DATA_KINDS = ("synthetic", "generated")  # or a path (see `make_batch_fn`)
+# Config fields that change the training trajectory: --resume refuses a workdir that differs.
+TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
+                     "optimizer", "learning_rate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  """Everything one run depends on (the flags of experiments/run.py)."""
+
+  # Registry model name: biglstm | gnmt | inception_v3.
+  model: str = "biglstm"
+  # Size preset: tiny | small | paper; None = 'paper' on a GPU, 'tiny' on a CPU.
+  size: str | None = None
+  # "DATAxMODEL" mesh, e.g. "16x2"; one side may be -1 (filled from the real devices).
+  mesh: str = "4x2"
+  # Per-worker batch b (the global batch is data x b); None = the paper's per-GPU batch on a GPU,
+  # 4 on a CPU.
+  batch: int | None = None
+  # Micro-batches per worker batch (pipelining across the model axis); must divide `batch`.
+  microbatches: int = 2
+  # Placement: milp (DLPlacer) | etf | dp | single.
+  planner: str = "milp"
+  # Planner wall-clock budget, seconds.
+  time_limit_s: float = 30.0
+  # Hardware profile of the analytic cost model (jaxhybrid.hardware names); None = detect.
+  hardware: str | None = None
+  # Training data: 'synthetic' (random, for timing), 'generated' (a learnable task) or a path.
+  data: str = "synthetic"
+  # Total training steps.
+  steps: int = 30
+  # Output folder; None = runs/<model>-<size>-<mesh>-<timestamp>.
+  workdir: str | None = None
+  # Continue the run in `workdir` from its latest checkpoint.
+  resume: bool = False
+  # Seed of the parameters and of the data (batch of step s = f(seed, s)).
+  seed: int = 0
+  # Model config overrides (field, value), applied with dataclasses.replace.
+  overrides: tuple[tuple[str, Any], ...] = ()
+  # A plan file to apply instead of planning (must be for this model, size, batch, mesh).
+  plan: str | None = None
+  # Optimizer (optax name) and its learning rate.
+  optimizer: str = "adam"
+  learning_rate: float = 1e-3
+  # Checkpoint every this many steps (0: only at the end).
+  checkpoint_every: int = 10
+  # Draw a progress bar.
+  progress: bool = True
+  # Compute and plot the DP-vs-hybrid projection.
+  projection: bool = True
+  # Multi-host: coordinator "host:port", number of processes, this process's id (None: single).
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+
+
+# ---- parsing helpers --------------------------------------------------------------------------
+
+def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+  """`["hidden_size=256", "dtype=bfloat16"]` -> (("hidden_size", 256), ("dtype", "bfloat16")).
+
+  Values are parsed with `ast.literal_eval`, falling back to the raw string.
+
+  Raises:
+    UsageError: an item without '='.
+  """
+  out = []
+  for item in items or ():
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+      raise errors.UsageError(f"--set {item!r} is not key=value: write e.g. --set hidden_size=256")
+    try:
+      value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+      value = raw.strip()
+    out.append((key.strip(), value))
+  return tuple(out)
+
+
+def _mesh_shape_early(spec: str) -> mesh_lib.MeshShape | None:
+  """Parses the mesh without starting JAX; None when a side is -1 (needs the device count)."""
+  try:
+    m = mesh_lib._SPEC.match(spec or "")  # noqa: SLF001 - the same grammar as mesh.parse
+    if m and "-1" in (m.group(1), m.group(2)):
+      other = [int(g) for g in m.groups() if g != "-1"]
+      mesh_lib.parse(spec, num_devices=other[0] if other else 1)  # validates the rest
+      return None
+    return mesh_lib.parse(spec, num_devices=1)
+  except ValueError as e:
+    raise errors.UsageError(f"--mesh: {e}") from None
+
+
+def setup_devices(config: RunConfig) -> None:
+  """Arranges devices before JAX starts: simulated CPU devices for the mesh, multi-host init.
+
+  Simulated devices only affect the CPU platform, so this is harmless on a GPU machine. A mesh
+  with -1 uses the real devices as they are.
+
+  Raises:
+    UsageError: a malformed mesh or inconsistent multi-host flags.
+  """
+  shape = _mesh_shape_early(config.mesh)
+  procs = config.num_processes or 1
+  multi = config.coordinator_address is not None or config.num_processes is not None
+  if multi and (config.coordinator_address is None or config.num_processes is None
+                or config.process_id is None):
+    raise errors.UsageError(
+      "multi-host needs all of --coordinator_address, --num_processes and --process_id")
+  if multi and not 0 <= config.process_id < procs:
+    raise errors.UsageError(
+      f"--process_id={config.process_id} is outside [0, {procs}): use 0 .. --num_processes - 1")
+  if shape is not None:
+    if shape.size % procs:
+      raise errors.UsageError(
+        f"--mesh={shape} ({shape.size} devices) does not split over {procs} processes: "
+        "use a mesh whose size is a multiple of --num_processes")
+    if not mesh_lib.backend_started():
+      mesh_lib.simulate_cpu_devices(shape.size // procs)
+  if multi:
+    mesh_lib.init_distributed(config.coordinator_address, config.num_processes, config.process_id)
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def step_seed(seed: int, step: int) -> int:
+  """A 32-bit seed that is a deterministic function of (run seed, step)."""
+  return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint32)[0])
+
+
+def _epoch_cycler(batches: list[Any], seed: int, post: Callable[[Any, int], Any]) -> Callable[[int], Any]:
+  """Step -> batch over fixed batches, reshuffled each epoch by (seed, epoch)."""
+  n = len(batches)
+
+  def batch_fn(step: int) -> Any:
+    epoch, i = divmod(step, n)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return post(batches[order[i]], step)
+
+  return batch_fn
+
+
+def make_batch_fn(spec: Any, data: str, seed: int, global_batch: int) -> Callable[[int], Any]:
+  """Step -> global batch, a deterministic function of (seed, step).
+
+  Args:
+    spec: the model's `ModelSpec`.
+    data: 'synthetic', 'generated', or a path: biglstm: a folder with vocab.txt and train.txt (or
+      a train/ folder of shards); gnmt: a folder with train.src, train.tgt and vocab.txt;
+      inception_v3: an ImageNet-style folder of class folders.
+    seed: the run's seed.
+    global_batch: examples per step.
+
+  Raises:
+    UsageError: an unknown data kind or an unreadable data folder.
+  """
+  if data == "synthetic":
+    return lambda s: spec.synthetic_batch(step_seed(seed, s), global_batch)
+  if data == "generated":
+    return lambda s: spec.generated_task(step_seed(seed, s), global_batch)
+  if not os.path.exists(data):
+    raise errors.UsageError(
+      f"--data={data!r} is neither {' nor '.join(DATA_KINDS)} nor an existing path: pass one of "
+      "those or the data folder")
+  from jaxhybrid.models import biglstm
+  from jaxhybrid.models import data as data_lib
+
+  cfg = spec.config
+  try:
+    if spec.name == "biglstm":
+      vocab = data_lib.Vocabulary.from_file(os.path.join(data, "vocab.txt"), specials=data_lib.LM1B_SPECIALS)
+      _check_vocab(len(vocab), cfg.vocab_size)
+      text = os.path.join(data, "train") if os.path.isdir(os.path.join(data, "train")) else os.path.join(data, "train.txt")
+      batches = list(data_lib.lm1b_batches(text, vocab, batch_size=global_batch, unroll=cfg.unroll))
+      post = lambda b, s: biglstm.with_sampled_ids(cfg, b, step_seed(seed, s))  # noqa: E731
+    elif spec.name == "gnmt":
+      vocab = data_lib.Vocabulary.from_file(os.path.join(data, "vocab.txt"))
+      _check_vocab(len(vocab), cfg.vocab_size)
+      batches = list(data_lib.parallel_text_batches(
+        os.path.join(data, "train.src"), os.path.join(data, "train.tgt"), vocab,
+        batch_size=global_batch, max_source_length=cfg.max_source_length,
+        max_target_length=cfg.max_target_length))
+      post = lambda b, s: b  # noqa: E731
+    else:
+      batches = list(data_lib.image_folder_batches(data, image_size=cfg.image_size, batch_size=global_batch))
+      post = lambda b, s: b  # noqa: E731
+  except ValueError as e:
+    raise errors.UsageError(f"--data={data!r}: {e}") from None
+  if not batches:
+    raise errors.UsageError(
+      f"--data={data!r} holds less than one global batch of {global_batch}: add data or lower --batch")
+  return _epoch_cycler(batches, seed, post)
+
+
+def _check_vocab(have: int, model: int) -> None:
+  if have > model:
+    raise errors.UsageError(
+      f"the data's vocabulary has {have} tokens but the model's vocab_size is {model}: "
+      f"pass --set vocab_size={have}")
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+def _resolve(config: RunConfig) -> RunConfig:
+  """Fills the device-dependent defaults (size, batch, workdir)."""
+  import jax
+
+  on_gpu = jax.default_backend() == "gpu"
+  size = config.size or ("paper" if on_gpu else "tiny")
+  batch = config.batch
+  if batch is None:
+    from jaxhybrid import projection
+
+    paper = projection.PAPER_MODELS.get(config.model)
+    batch = paper.per_gpu_batch if on_gpu and paper else 4
+  workdir = config.workdir
+  if workdir is None:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    workdir = os.path.join("runs", f"{config.model}-{size}-{config.mesh}-{stamp}")
+  return dataclasses.replace(config, size=size, batch=batch, workdir=workdir)
+
+
+def validate(config: RunConfig) -> None:
+  """Checks the flags that need no model or devices.
+
+  Raises:
+    UsageError: naming the bad value and the fix.
+  """
+  from jaxhybrid import api
+  from jaxhybrid import hardware
+  from jaxhybrid import models
+
+  if config.model not in models.names():
+    raise errors.UsageError(f"--model={config.model!r} is unknown: use one of {', '.join(models.names())}")
+  if config.size is not None and config.size not in models.SIZES:
+    raise errors.UsageError(f"--size={config.size!r} is unknown: use one of {', '.join(models.SIZES)}")
+  if config.planner not in api.PLANNERS:
+    raise errors.UsageError(f"--planner={config.planner!r} is unknown: use one of {', '.join(api.PLANNERS)}")
+  if config.hardware is not None and config.hardware not in hardware.names():
+    raise errors.UsageError(
+      f"--hardware={config.hardware!r} is unknown: use one of {', '.join(hardware.names())}")
+  if config.optimizer not in OPTIMIZERS:
+    raise errors.UsageError(f"--optimizer={config.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
+  if config.microbatches < 1:
+    raise errors.UsageError(f"--microbatches={config.microbatches}: use 1 or more")
+  if config.batch is not None and (config.batch < 1 or config.batch % config.microbatches):
+    raise errors.UsageError(
+      f"--batch={config.batch} (per worker) is not divisible by --microbatches={config.microbatches}: "
+      f"use a multiple of {config.microbatches}, e.g. --batch={config.microbatches * max(1, config.batch // config.microbatches)}")
+  if config.steps < 1:
+    raise errors.UsageError(f"--steps={config.steps}: use 1 or more")
+  if config.checkpoint_every < 0:
+    raise errors.UsageError(f"--checkpoint_every={config.checkpoint_every}: use 0 (only at the end) or more")
+  if not config.time_limit_s > 0:
+    raise errors.UsageError(f"--time_limit={config.time_limit_s}: use a positive number of seconds")
+  if not (math.isfinite(config.learning_rate) and config.learning_rate > 0):
+    raise errors.UsageError(f"--learning_rate={config.learning_rate}: use a positive number")
+
+
+def _prepare_workdir(config: RunConfig) -> None:
+  """Creates the workdir and checks it can hold this run.
+
+  Raises:
+    UsageError: an unwritable workdir, an existing run without --resume, or a --resume of a run
+      with another config.
+  """
+  wd = config.workdir
+  try:
+    os.makedirs(wd, exist_ok=True)
+    probe = os.path.join(wd, f".write_test_{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise errors.UsageError(
+      f"--workdir={wd!r} is not writable ({e.strerror or e}): pass a folder you can write to") from None
+  saved = os.path.join(wd, "config.json")
+  has_run = os.path.exists(saved) or os.path.exists(os.path.join(wd, "metrics.jsonl"))
+  if has_run and not config.resume:
+    raise errors.UsageError(
+      f"--workdir={wd!r} already holds a run: pass --resume to continue it or choose another --workdir")
+  if has_run and os.path.exists(saved):
+    try:
+      with open(saved) as f:
+        old = json.load(f)
+    except (OSError, ValueError):
+      raise errors.UsageError(f"{saved} is unreadable: repair it or choose another --workdir") from None
+    new = _config_json(config)
+    diff = [k for k in TRAJECTORY_FIELDS if old.get(k) != new.get(k)]
+    if diff:
+      k = diff[0]
+      raise errors.UsageError(
+        f"--resume: the run in {wd!r} has {k}={old.get(k)!r} but this command gives {new.get(k)!r}: "
+        "use the same flags or another --workdir")
+
+
+def _config_json(config: RunConfig) -> dict[str, Any]:
+  d = dataclasses.asdict(config)
+  d["overrides"] = [[k, v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)]
+                    for k, v in config.overrides]
+  return json.loads(json.dumps(d))
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def _optimizer(config: RunConfig):
+  import optax
+
+  return getattr(optax, config.optimizer)(config.learning_rate)
+
+
+def _broadcast_text(text: str | None) -> str:
+  """Process 0's text on every process (single process: unchanged)."""
+  import jax
+
+  if jax.process_count() == 1:
+    return text
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer((text or "").encode(), np.uint8)
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+  buf = np.zeros((n,), np.uint8)
+  buf[: len(data)] = data[:n]
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
+
+
+def build(config: RunConfig):
+  """Model, data and the placed, compiled hybrid step for a resolved config.
+
+  Returns:
+    (spec, hybrid, batch_fn).
+
+  Raises:
+    UsageError: unknown size or override, a mesh that does not fit the devices, a batch that does
+      not divide, an unreadable plan or one made for another graph.
+  """
+  import jax
+  from flax import nnx
+
+  from jaxhybrid import api
+  from jaxhybrid import models
+  from jaxhybrid import planner as planner_lib
+
+  try:
+    spec = models.get(config.model, config.size, **dict(config.overrides))
+  except (ValueError, TypeError) as e:
+    raise errors.UsageError(f"--model/--size/--set: {e}") from None
+  try:
+    mesh = mesh_lib.make(mesh_lib.parse(config.mesh))
+  except ValueError as e:
+    raise errors.UsageError(f"--mesh: {e}") from None
+  data_ax = mesh.shape[mesh_lib.DATA]
+  global_batch = data_ax * config.batch
+  batch_fn = make_batch_fn(spec, config.data, config.seed, global_batch)
+
+  plan = None
+  plan_path = config.plan
+  resumed_plan = os.path.join(config.workdir, "plan.json")
+  if plan_path is None and config.resume and os.path.exists(resumed_plan):
+    plan_path = resumed_plan  # the resumed run keeps its plan (the MILP is time-limited)
+  if plan_path is not None:
+    try:
+      plan = planner_lib.Plan.load(plan_path)
+    except (OSError, ValueError) as e:
+      msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise errors.UsageError(f"--plan={plan_path!r} cannot be read ({msg}): pass a plan.json written by run.py or drop --plan to re-plan") from None
+  model = spec.make(nnx.Rngs(config.seed))
+  try:
+    hybrid = api.parallelize(
+      model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
+      microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
+      planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed}, plan=plan,
+    )
+  except ValueError as e:
+    raise errors.UsageError(f"{e}") from None
+  if jax.process_count() > 1 and plan is None:
+    # Every process must run the same plan; the time-limited MILP may differ between processes.
+    text = _broadcast_text(hybrid.plan.to_json() if jax.process_index() == 0 else None)
+    shared = planner_lib.Plan.from_json(text)
+    if shared != hybrid.plan:
+      hybrid = api.parallelize(
+        model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
+        microbatches=config.microbatches, plan=shared)
+  return spec, hybrid, batch_fn
+
+
+def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
+  """The plan's per-worker step plus the ring all-reduce of the largest per-device gradient shard."""
+  from jaxhybrid import api
+
+  costs = api.default_costs(hardware)
+  lay = hybrid.program.layout
+  shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
+  grad_bytes = max(lay.bytes_per_device()) + shared
+  workers = hybrid.mesh.shape[mesh_lib.DATA]
+  ar = costs.allreduce_time_s(grad_bytes, workers)
+  return {"plan_step_s": hybrid.plan.predicted_step_s, "allreduce_s": ar,
+          "step_s": hybrid.plan.predicted_step_s + ar, "grad_bytes_per_device": float(grad_bytes)}
+
+
+def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
+  """The DP-vs-hybrid projection of the model's paper scenario.
+
+  S_MP comes from this run's plan when it was made at paper size on a DGX profile; otherwise the
+  paper scenario's default S_MP(2) is used (a tiny model's S_MP says nothing about the paper's).
+  """
+  from jaxhybrid import hardware
+  from jaxhybrid import projection
+
+  hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
+  hw = hardware.get(hw_name)
+  from_plan = config.size == "paper" and model_axis >= 2 and plan.hardware.startswith("dgx")
+  m = model_axis if from_plan else 2
+  w = projection.paper_workload(config.model, hw)
+  if from_plan:
+    w = dataclasses.replace(w, s_mp=((m, plan.predicted_speedup),))
+  p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
+  return p, ("this run's plan" if from_plan else "paper-scenario default")
+
+
+def plot_loss(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
+  """Loss versus step (PNG)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], "-")
+  ax.set_xlabel("step")
+  ax.set_ylabel("training loss")
+  ax.set_title(title)
+  ax.grid(True, alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _replicate_step(state: Any, mesh: Any) -> Any:
+  """Puts the step counter on the mesh, replicated, as the compiled step returns it.
+
+  A fresh or restored state holds it on one device; without this the step would compile twice.
+  """
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  step = np.asarray(jax.device_get(state.step)) if getattr(state.step, "is_fully_addressable", True) else state.step
+  sharding = NamedSharding(mesh, P())
+  return state._replace(step=jax.make_array_from_callback((), sharding, lambda _: step))
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+  """Runs (or resumes) one training run and writes its workdir; call `setup_devices` first.
+
+  Returns:
+    The content of results.json.
+
+  Raises:
+    UsageError: bad input (see `validate`, `build`), or NonFiniteLossError when the loss diverges.
+  """
+  import jax
+
+  from jaxhybrid import checkpoint
+  from jaxhybrid import planner as planner_lib
+  from jaxhybrid import projection as projection_lib
+  from jaxhybrid import train
+
+  validate(config)
+  config = _resolve(config)
+  validate(config)
+  primary = jax.process_index() == 0
+  _prepare_workdir(config)
+  wd = config.workdir
+  spec, hybrid, batch_fn = build(config)
+  log.info("%s", hybrid.plan.summary())
+  if primary:
+    with open(os.path.join(wd, "config.json"), "w") as f:
+      json.dump(_config_json(config), f, indent=1)
+    hybrid.plan.save(os.path.join(wd, "plan.json"))
+    planner_lib.gantt(hybrid.plan, os.path.join(wd, "gantt.png"))
+
+  state = _replicate_step(hybrid.init(config.seed), hybrid.mesh)
+  ckpt = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"), every=config.checkpoint_every)
+  metrics_path = os.path.join(wd, "metrics.jsonl")
+  start = 0
+  if config.resume and (last := ckpt.latest_step()) is not None:
+    state = _replicate_step(ckpt.restore(last, like=state), hybrid.mesh)
+    start = last
+  if primary and os.path.exists(metrics_path):
+    train.truncate_metrics(metrics_path, start)
+  data_ax = hybrid.mesh.shape[mesh_lib.DATA]
+  try:
+    result = train.fit(
+      hybrid.step, state, batch_fn, steps=config.steps, start_step=start, checkpointer=ckpt,
+      metrics_path=metrics_path, progress=config.progress,
+      noise_scale=train.NoiseScaleOptions(per_worker_batch=config.batch, workers=data_ax),
+    )
+  finally:
+    ckpt.close()
+
+  rows = train.read_metrics(metrics_path) if primary else list(result.rows)
+  predicted = predicted_step_s(hybrid, config.hardware)
+  results: dict[str, Any] = {
+    "config": _config_json(config),
+    "devices": {"count": jax.device_count(), "platform": jax.default_backend(),
+                "kind": jax.devices()[0].device_kind, "processes": jax.process_count()},
+    "graph": {"nodes": len(hybrid.graph.nodes), "fingerprint": hybrid.graph.fingerprint()},
+    "plan": {"summary": hybrid.plan.summary(), "method": hybrid.plan.method,
+             "status": hybrid.plan.status, "assignment": list(hybrid.plan.assignment),
+             "predicted_speedup": hybrid.plan.predicted_speedup, "gap": hybrid.plan.gap,
+             "hardware": hybrid.plan.hardware, "solve_time_s": hybrid.plan.solve_time_s},
+    "metrics": {"steps": result.final_step, "resumed_from": start,
+                "first_loss": rows[0]["loss"] if rows else None,
+                "final_loss": rows[-1]["loss"] if rows else None,
+                "first_step_s": result.first_step_s,
+                "noise_scale": next((r["noise_scale"] for r in reversed(rows) if "noise_scale" in r), None)},
+    "predicted_step_s": predicted["step_s"],
+    "predicted": predicted,
+    "measured_step_s": result.measured_step_s,
+    "projection": None,
+  }
+  if config.projection:
+    try:
+      proj, source = project(config, hybrid.plan, hybrid.mesh.shape[mesh_lib.MODEL])
+      results["projection"] = {**proj.to_json(), "s_mp_source": source}
+      results["projection_table"] = projection_lib.format_table(proj)
+      if primary:
+        projection_lib.plot([proj], os.path.join(wd, "projection.png"))
+    except ValueError as e:  # a model without a paper scenario
+      log.warning("projection skipped: %s", e)
+  if primary:
+    if rows:
+      plot_loss(rows, os.path.join(wd, "loss.png"), f"{config.model} ({config.size}) on {config.mesh}")
+    with open(os.path.join(wd, "results.json"), "w") as f:
+      json.dump(results, f, indent=1, default=str)
+  return results
+
+
+def format_report(results: dict[str, Any]) -> str:
+  """The end-of-run text: plan, predicted versus measured step time, projection, outputs."""
+  c, m = results["config"], results["metrics"]
+  pred, meas = results["predicted_step_s"], results["measured_step_s"]
+  lines = [
+    f"{c['model']} ({c['size']}) on mesh {c['mesh']}, batch {c['batch']}/worker, "
+    f"{c['microbatches']} micro-batch(es), planner {c['planner']}, data {c['data']}",
+    results["plan"]["summary"],
+    f"loss {m['first_loss']:.4f} -> {m['final_loss']:.4f} over steps {m['resumed_from']}..{m['steps']}"
+    if m["first_loss"] is not None else "no steps run",
+    f"step time: predicted {pred * 1e3:.3f} ms ({results['plan']['hardware']} costs: plan "
+    f"{results['predicted']['plan_step_s'] * 1e3:.3f} ms + all-reduce "
+    f"{results['predicted']['allreduce_s'] * 1e3:.3f} ms), measured "
+    + (f"{meas * 1e3:.3f} ms (ratio {meas / pred:.2f})" if meas and pred else "n/a"),
+  ]
+  if results["devices"]["platform"] == "cpu" and results["devices"]["count"] > 2:
+    lines.append("  (simulated CPU devices share the cores: measured times say nothing about MP speed)")
+  if results.get("projection_table"):
+    lines.append(f"projection (S_MP from {results['projection']['s_mp_source']}):")
+    lines.append(results["projection_table"])
+  lines.append(f"outputs in {c['workdir']}: results.json plan.json metrics.jsonl gantt.png loss.png"
+               + (" projection.png" if results.get("projection") else ""))
+  return "\n".join(lines)

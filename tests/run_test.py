@@ -1,0 +1,190 @@
+"""experiments/run.py and jaxhybrid/runner.py: outputs, bad input (exit 2, one line), SIGKILL + resume.
+
+Most bad-input cases run in-process through the runner (a typed UsageError, which run.py turns
+into exit status 2); a few run the real entry point as a subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxhybrid import errors
+from jaxhybrid import runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "experiments", "run.py")
+
+TINY = runner.RunConfig(model="biglstm", size="tiny", mesh="2x2", batch=4, microbatches=2,
+                        planner="etf", steps=3, checkpoint_every=2, progress=False)
+
+
+def run_py(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run([sys.executable, RUN, *args], capture_output=True, text=True, env=env,
+                        cwd=ROOT, timeout=timeout)
+
+
+def losses(workdir) -> list[float]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+# ---- in-process: the runner ------------------------------------------------------------------
+
+def test_parse_overrides():
+  assert runner.parse_overrides(["hidden_size=256", "dtype=bfloat16", "scale=0.5", "x=[1, 2]"]) == (
+    ("hidden_size", 256), ("dtype", "bfloat16"), ("scale", 0.5), ("x", [1, 2]))
+  with pytest.raises(errors.UsageError, match="key=value"):
+    runner.parse_overrides(["hidden_size"])
+
+
+def test_data_is_a_function_of_seed_and_step():
+  from jaxhybrid import models
+
+  spec = models.get("biglstm", "tiny")
+  f = runner.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
+  g = runner.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
+  assert (f(5)["inputs"] == g(5)["inputs"]).all()
+  assert not (f(5)["inputs"] == f(6)["inputs"]).all()
+  with pytest.raises(errors.UsageError, match="--data='nope'"):
+    runner.make_batch_fn(spec, "nope", seed=3, global_batch=8)
+
+
+# Inception-V3 tiny takes ~2-3 minutes here (tracing ~60 s, compiling ~50 s): marked slow.
+@pytest.mark.parametrize("model", ["gnmt", pytest.param("inception_v3", marks=pytest.mark.slow)])
+def test_other_models_run_end_to_end(model, tmp_path):
+  overrides = (("image_size", 75),) if model == "inception_v3" else ()
+  cfg = dataclasses.replace(TINY, model=model, mesh="1x2", batch=2, steps=2, planner="milp",
+                            time_limit_s=5, workdir=str(tmp_path / "w"), overrides=overrides)
+  res = runner.run(cfg)
+  for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection"):
+    assert res[key] is not None, key
+  assert res["metrics"]["steps"] == 2
+  assert os.path.exists(tmp_path / "w" / "gantt.png")
+
+
+BAD_CONFIGS = [
+  (dict(model="resnet"), "--model='resnet' is unknown"),
+  (dict(size="huge"), "--size='huge' is unknown"),
+  (dict(planner="greedy"), "--planner='greedy' is unknown"),
+  (dict(batch=5), "not divisible by --microbatches=2"),
+  (dict(optimizer="lion"), "--optimizer='lion' is unknown"),
+  (dict(overrides=(("no_such_field", 1),)), "no_such_field"),
+  (dict(mesh="8x2"), "needs 16 devices"),
+]
+
+
+@pytest.mark.parametrize("changes,message", BAD_CONFIGS)
+def test_bad_config_raises_one_line_usage_error(changes, message, tmp_path):
+  cfg = dataclasses.replace(TINY, workdir=str(tmp_path / "w"), **changes)
+  with pytest.raises(errors.UsageError) as e:
+    runner.run(cfg)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mesh", ["16by2", "0x2", "-1x-1", ""])
+def test_malformed_mesh(mesh):
+  with pytest.raises(errors.UsageError, match="--mesh"):
+    runner.setup_devices(dataclasses.replace(TINY, mesh=mesh))
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(errors.UsageError, match="not writable"):
+    runner.run(dataclasses.replace(TINY, workdir=str(blocker / "w")))
+
+
+def test_existing_run_needs_resume_and_same_config(tmp_path):
+  wd = str(tmp_path / "w")
+  runner.run(dataclasses.replace(TINY, workdir=wd, steps=2, projection=False))
+  before = open(os.path.join(wd, "metrics.jsonl")).read()
+  with pytest.raises(errors.UsageError, match="already holds a run: pass --resume"):
+    runner.run(dataclasses.replace(TINY, workdir=wd))
+  with pytest.raises(errors.UsageError, match="has seed=0 but this command gives 1"):
+    runner.run(dataclasses.replace(TINY, workdir=wd, resume=True, seed=1))
+  assert open(os.path.join(wd, "metrics.jsonl")).read() == before  # nothing lost
+  # The same flags with --resume and more steps continue from the last checkpoint.
+  res = runner.run(dataclasses.replace(TINY, workdir=wd, resume=True, steps=3, projection=False))
+  assert res["metrics"]["resumed_from"] == 2
+  assert [json.loads(x)["step"] for x in open(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_corrupt_plan_and_plan_for_another_graph(tmp_path):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{ not json")
+  with pytest.raises(errors.UsageError, match="cannot be read"):
+    runner.run(dataclasses.replace(TINY, workdir=str(tmp_path / "a"), plan=str(bad)))
+  other = dataclasses.replace(TINY, workdir=str(tmp_path / "b"), overrides=(("hidden_size", 32),),
+                              steps=1, projection=False)
+  runner.run(other)
+  with pytest.raises(errors.UsageError, match="re-plan"):
+    runner.run(dataclasses.replace(TINY, workdir=str(tmp_path / "c"),
+                                   plan=str(tmp_path / "b" / "plan.json")))
+
+
+def test_nan_loss_is_a_usage_error_and_keeps_checkpoint(tmp_path):
+  cfg = dataclasses.replace(TINY, workdir=str(tmp_path / "w"), steps=8, optimizer="sgd",
+                            learning_rate=1e30, checkpoint_every=1, projection=False)
+  with pytest.raises(errors.NonFiniteLossError) as e:
+    runner.run(cfg)
+  last = e.value.last_checkpoint
+  assert last is not None and last < e.value.step
+  assert f"last good checkpoint is step {last}" in str(e.value)
+  rows = [json.loads(x) for x in open(tmp_path / "w" / "metrics.jsonl")]
+  assert rows[-1]["step"] == e.value.step - 1
+
+
+# ---- subprocesses: the real entry point ------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+  (["--model=resnet"], "--model='resnet' is unknown"),
+  (["--mesh=2y2"], "--mesh"),
+])
+def test_run_py_bad_input_exits_2_with_one_line(args, message, tmp_path):
+  proc = run_py(*args, f"--workdir={tmp_path / 'w'}")
+  assert proc.returncode == 2, proc.stderr
+  lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert len(lines) == 1 and message in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_sigkill_then_resume_reproduces_uninterrupted_losses(tmp_path):
+  common = ["--model=biglstm", "--size=tiny", "--mesh=2x2", "--batch=4", "--planner=etf",
+            "--steps=60", "--checkpoint_every=5", "--progress=false"]
+  full = run_py(*common, f"--workdir={tmp_path / 'full'}")
+  assert full.returncode == 0, full.stderr
+  results = json.load(open(tmp_path / "full" / "results.json"))
+  for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection"):
+    assert key in results
+  for png in ("gantt.png", "loss.png", "projection.png"):
+    assert os.path.getsize(tmp_path / "full" / png) > 0
+
+  wd = tmp_path / "killed"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen([sys.executable, RUN, *common, f"--workdir={wd}"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpts = wd / "checkpoints"
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir()):
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  done = len(losses(wd))
+  assert done < 60
+  resumed = run_py(*common, f"--workdir={wd}", "--resume")
+  assert resumed.returncode == 0, resumed.stderr
+  assert json.load(open(wd / "results.json"))["metrics"]["resumed_from"] > 0
+  assert losses(wd) == losses(tmp_path / "full")
