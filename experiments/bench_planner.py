@@ -6,7 +6,9 @@ For each model (abstract trace, analytic costs on --hardware) and each M in --de
 --microbatches: nodes, edges, solve time, status, gap, MILP makespan, lower bound, each
 heuristic's makespan and the predicted MP speedup. Expect every case within --time_limit_s, the
 MILP never worse than a heuristic, and the Inception-V3 2-way speedup printed beside the paper's
-1.32x (PAPER.md).
+1.32x (PAPER.md). The gap is (makespan - lower bound) / makespan, with the bound proven as
+planner/place.py describes; with k > 1 the cases run until the gap tolerance or the time limit,
+so their times depend on the load of the machine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.place import place, place_problem
 from jaxhybrid.planner.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.schedule import Task, Transfer, lower_bound, validate_schedule
+from jaxhybrid.planner.bounds import lower_bound
+from jaxhybrid.planner.schedule import Task, Transfer, validate_schedule
 
 __all__ = [
   "InfeasibleError",

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import milp
 from jaxhybrid.planner import schedule as sched
@@ -75,7 +76,7 @@ def symmetry_group(problem: Problem) -> tuple[bool, list[tuple[int, ...]]]:
   M = problem.devices
   T = np.asarray(problem.transfer_s, dtype=float).reshape(len(problem.edges), M, M)
   off = ~np.eye(M, dtype=bool)
-  if not len(problem.edges) or all(np.ptp(T[e][off]) == 0 for e in range(len(T))):
+  if M < 2 or not len(problem.edges) or all(np.ptp(T[e][off]) == 0 for e in range(len(T))):
     return True, []
   if M > MAX_ENUMERATED_DEVICES:
     return False, [tuple(range(M))]
@@ -201,7 +202,7 @@ def solve(
     share = max(0.05, left / (len(jobs) - job_idx))
     res = milp.solve(
       sub, 1, warm=warm, fixed=fixed, interchangeable=inter,
-      lower_bound=sched.lower_bound(sub, 1),
+      lower_bound=bounds_lib.lower_bound(sub, 1),
       time_limit_s=share, threads=threads, seed=seed, gap=gap, solver=solver, cuts=cuts,
     )
     solves += 1

@@ -5,13 +5,15 @@
   task on the device where it starts earliest, skipping devices whose memory would overflow.
 - `dp`: a contiguous split of the topological order into at most M stages, balanced by dynamic
   programming (PipeDream / GPipe style), each stage on its own device.
-- `local`: hill climbing from the best of the others, moving one node at a time.
+- `interleaved`: round-robin chunks of the node order (an interleaved pipeline, for k > 1).
+- `local`: simulated annealing from the best of the others (one-node, swap and run moves).
 Each returns a `Candidate` (placement + schedule) or None when it cannot respect the memory caps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from typing import Sequence
@@ -172,6 +174,33 @@ def contiguous_dp(problem: Problem, k: int, caps: Sequence[float] | None) -> Can
   return best_cand
 
 
+def interleaved(problem: Problem, k: int, caps: Sequence[float] | None,
+                max_rounds: int = 8) -> Candidate | None:
+  """Interleaved pipeline stages (as in Megatron-LM's interleaved schedule, Narayanan et al. 2021).
+
+  The topological order is cut into r M chunks of about equal compute and chunk j goes to device
+  j mod M, for r = 1..max_rounds; with k > 1 micro-batches more rounds shorten the pipeline's fill
+  and drain at the price of more transfers. The best schedule that fits the caps is returned.
+  """
+  n, M, p = problem.num_nodes, problem.devices, problem.compute_s
+  total = sum(p)
+  if n == 0 or total <= 0:
+    return None
+  best = None
+  for rounds in range(1, max_rounds + 1):
+    chunks, acc, assign = rounds * M, 0.0, []
+    for i in range(n):
+      mid = acc + p[i] / 2  # a node joins the chunk holding its midpoint
+      assign.append(min(int(mid / total * chunks), chunks - 1) % M)
+      acc += p[i]
+    if not fits(problem, assign, k, caps):
+      continue
+    cand = evaluate(problem, assign, k)
+    if best is None or cand.makespan < best.makespan:
+      best = cand
+  return best
+
+
 def local_search(
   problem: Problem,
   k: int,
@@ -180,30 +209,82 @@ def local_search(
   time_budget_s: float,
   seed: int = 0,
   fixed: dict[int, int] | None = None,
+  max_evaluations: int | None = None,
+  temperature: float = 0.02,
+  target: float = 0.0,
 ) -> Candidate:
-  """First-improvement hill climbing over single-node moves, from `start`, within a time budget."""
+  """Simulated annealing over placements from `start`, each placement list-scheduled.
+
+  A move reassigns one node, swaps the devices of two nodes, or moves a run of 2..6 consecutive
+  nodes (in topological order) to one device. A worse placement is accepted with probability
+  exp(-increase / T), T cooling linearly from `temperature` x the start makespan to 0; the search
+  restarts from the best placement at each quarter of its budget.
+
+  Args:
+    problem: the problem.
+    k: micro-batches.
+    caps: memory cap per device, or None.
+    start: the placement to start from (its makespan is never worsened).
+    time_budget_s: wall-clock budget.
+    seed: random seed.
+    fixed: node -> device for nodes that must not move.
+    max_evaluations: most placements evaluated (default 200 per (node, device) pair); the search
+      is reproducible when this, not the time budget, ends it.
+    temperature: initial temperature relative to the start makespan.
+    target: stop once the best makespan is at most this (e.g. within the gap of a lower bound).
+
+  Returns:
+    The best candidate seen.
+  """
   rng = random.Random(seed)
-  deadline = time.monotonic() + time_budget_s
-  best = start
-  mem = problem.memory_bytes(k)
+  t0 = time.monotonic()
   n, M = problem.num_nodes, problem.devices
-  improved = True
-  while improved and time.monotonic() < deadline:
-    improved = False
-    moves = [(i, d) for i in range(n) if i not in (fixed or {}) for d in range(M)]
-    rng.shuffle(moves)
-    used = sched.device_memory(problem, best.assignment, k)
-    for i, d in moves:
-      if time.monotonic() >= deadline:
-        break
-      if best.assignment[i] == d:
+  fixed = fixed or {}
+  movable = [i for i in range(n) if i not in fixed]
+  if not movable or M < 2:
+    return start
+  budget = max_evaluations if max_evaluations is not None else 200 * len(movable) * M
+  mem = problem.memory_bytes(k)
+  best = cur = start
+  seen: dict[tuple[int, ...], float] = {start.assignment: start.makespan}
+  t_start = temperature * start.makespan
+  quarter = 0
+  for it in range(budget):
+    elapsed = time.monotonic() - t0
+    if elapsed >= time_budget_s or best.makespan <= target:
+      break
+    frac = max(it / budget, elapsed / time_budget_s)
+    if int(frac * 4) > quarter:
+      quarter, cur = int(frac * 4), best
+    assign = list(cur.assignment)
+    move = rng.random()
+    if move < 0.6:
+      assign[rng.choice(movable)] = rng.randrange(M)
+    elif move < 0.8:
+      i, j = rng.choice(movable), rng.choice(movable)
+      assign[i], assign[j] = assign[j], assign[i]
+    else:
+      i, d = rng.choice(movable), rng.randrange(M)
+      for j in range(i, min(n, i + rng.randint(2, 6))):
+        if j not in fixed:
+          assign[j] = d
+    key = tuple(assign)
+    if key == cur.assignment:
+      continue
+    if caps is not None:
+      used = [0.0] * M
+      for i, d in enumerate(assign):
+        used[d] += mem[i]
+      if any(u > c for u, c in zip(used, caps)):
         continue
-      if caps is not None and used[d] + mem[i] > caps[d]:
-        continue
-      assign = list(best.assignment)
-      assign[i] = d
-      cand = evaluate(problem, assign, k)
+    if key in seen and seen[key] >= cur.makespan:
+      continue  # known not to help; revisits cost a schedule each
+    cand = evaluate(problem, assign, k)
+    seen[key] = cand.makespan
+    delta = cand.makespan - cur.makespan
+    temp = t_start * (1 - frac)
+    if delta <= 0 or (temp > 0 and rng.random() < math.exp(-delta / temp)):
+      cur = cand
       if cand.makespan < best.makespan * (1 - 1e-9):
-        best, improved = cand, True
-        used = sched.device_memory(problem, best.assignment, k)
+        best = cand
   return best

@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 import mip
 
+from jaxhybrid.planner import bounds
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.heuristics import Candidate
 from jaxhybrid.planner.problem import Problem
@@ -212,7 +213,7 @@ def solve(
   # which is valid because the true first/last node's idles are at least as large.
   fill_start: list[tuple[object, float]] = []
   if k > 1 and M > 1:
-    r_idle, q_idle = sched.idle_bounds(problem)
+    r_idle, q_idle = bounds.idle_bounds(problem)
     first_last = _first_last(warm, M)
     for d in range(M):
       f = [m.add_var(var_type=mip.BINARY, name=f"first_{i}_{d}") for i in range(n)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-METHODS = ("milp", "etf", "dp", "single", "local")
+METHODS = ("milp", "etf", "dp", "interleaved", "single", "local")
 SOLVERS = ("cbc", "highs")
 
 
@@ -45,7 +45,7 @@ class PlannerOptions:
   # small disjunctive block models CBC's cuts cost more than they save (measured here: a 9-node
   # block on 2 devices in 0.5 s instead of 2.5 s).
   cuts: int = 0
-  # 'milp' (DLPlacer), or one heuristic alone: 'etf', 'dp', 'single', 'local'.
+  # 'milp' (DLPlacer), or one heuristic alone: 'etf', 'dp', 'interleaved', 'single', 'local'.
   method: str = "milp"
   # Assumption: times each cross-device edge is paid per micro-batch. The training step sends the
   # activation forward and its gradient backward, so the transfer time counts twice by default.
@@ -62,8 +62,18 @@ class PlannerOptions:
   # Most ordering binaries in one pipelined MILP; beyond it the orderings of task pairs that are
   # far apart in the warm start are fixed (a restricted search whose bound is not used for the gap).
   max_free_pairs: int = 4000
-  # Share of the time limit given to the local-search heuristic.
+  # Share of the time limit given to the local-search heuristic with one micro-batch (a warm
+  # start only: the decomposition is exact there).
   local_search_share: float = 0.1
+  # Share of the time limit given to the local search with k > 1 micro-batches, where it finds
+  # most of the improvement (the pipelined MILP then starts from its best and proves the bound).
+  pipeline_search_share: float = 0.7
+  # Independent annealing runs (seeds seed, seed + 1, ...) sharing that time when k > 1: single
+  # runs vary by several percent on the paper's graphs, the best of a few much less.
+  search_chains: int = 4
+  # Share of the time limit for the placement relaxation that bounds the k > 1 makespan
+  # (relax.py; it usually solves in well under a second).
+  relaxation_share: float = 0.15
 
   def __post_init__(self):
     if not isinstance(self.devices, int) or self.devices < 1:
@@ -80,6 +90,11 @@ class PlannerOptions:
       raise ValueError(f"solver={self.solver!r}: use one of {SOLVERS}.")
     if self.method not in METHODS:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
+    for name in ("local_search_share", "pipeline_search_share", "relaxation_share"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
+    if not isinstance(self.search_chains, int) or self.search_chains < 1:
+      raise ValueError(f"search_chains={self.search_chains!r}: use an integer >= 1.")
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes

@@ -1,4 +1,6 @@
-"""Schedules of a placed problem: list scheduling, re-timing, bounds and an independent checker.
+"""Schedules of a placed problem: list scheduling, re-timing and an independent checker.
+
+Lower bounds live in bounds.py.
 
 A schedule runs every node i once per micro-batch c (the task (i, c)) on the node's device. The
 timing model is PAPER.md's: a task takes p_i; a task may start once, for every edge (j, i), task
@@ -55,47 +57,6 @@ def heads_tails(problem: Problem) -> tuple[list[float], list[float]]:
   for i in reversed(range(n)):
     tail[i] = max((p[j] + tail[j] for j, _ in succs[i]), default=0.0)
   return head, tail
-
-
-def idle_bounds(problem: Problem) -> tuple[list[float], list[float]]:
-  """Per node i: (r_i, q_i), the least idle time of a device before i when i is its first node
-  and after i when i is its last.
-
-  A device's first task has all its predecessors on other devices, so it waits for the latest of
-  them plus the fastest link (0 for sources); likewise its last task's successors.
-  """
-  p, n = problem.compute_s, problem.num_nodes
-  head, tail = heads_tails(problem)
-  preds, succs = problem.predecessors(), problem.successors()
-
-  def fastest(e: int) -> float:
-    return min((v for a, row in enumerate(problem.transfer_s[e]) for b, v in enumerate(row)
-                if a != b), default=0.0)
-
-  r = [max((head[j] + p[j] + fastest(e) for j, e in preds[i]), default=0.0) for i in range(n)]
-  q = [max((fastest(e) + p[j] + tail[j] for j, e in succs[i]), default=0.0) for i in range(n)]
-  return r, q
-
-
-def lower_bound(problem: Problem, microbatches: int) -> float:
-  """A lower bound on the makespan of any placement on M devices, k = `microbatches`.
-
-  The largest of:
-  - max_i head_i + k p_i + tail_i: the critical path for one micro-batch, and the k serial runs of
-    node i between its longest head and tail;
-  - min over the number m of used devices of (k W + idle_start + idle_end) / m (work bound, W the
-    total p): the first task of each device is a distinct node i, which cannot start before r_i
-    (0 for sources, else the arrival of its latest predecessor's data over the fastest link), so
-    the devices idle at least the sum of the m smallest r_i before their first task; likewise
-    after their last task, with q_i.
-  """
-  k, p, n, M = microbatches, problem.compute_s, problem.num_nodes, problem.devices
-  if not n:
-    return 0.0
-  head, tail = heads_tails(problem)
-  r, q = (sorted(v) for v in idle_bounds(problem))
-  work = min((k * sum(p) + sum(r[:m]) + sum(q[:m])) / m for m in range(1, min(M, n) + 1))
-  return max(work, max(head[i] + k * p[i] + tail[i] for i in range(n)))
 
 
 def priorities(problem: Problem) -> list[float]:

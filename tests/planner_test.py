@@ -179,7 +179,7 @@ def test_heuristic_methods_and_bounds():
     assert plan.predicted_step_s == pytest.approx(milp_plan.heuristics[method])
     assert plan.predicted_step_s >= milp_plan.predicted_step_s - 1e-9
   assert milp_plan.heuristics["single"] == pytest.approx(sum(prob.compute_s))
-  lb = sched.lower_bound(prob, 1)
+  lb = planner.lower_bound(prob, 1)
   head, tail = sched.heads_tails(prob)
   assert lb >= max(sum(prob.compute_s) / 2, max(h + p + t for h, p, t in
                                                  zip(head, prob.compute_s, tail)))

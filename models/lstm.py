@@ -1,0 +1,162 @@
+"""One LSTM layer as one module: a single `jax.lax.scan` over time.
+
+GNMT and BigLSTM stack these layer by layer (never a fused multi-layer cell), so that each layer is
+its own graph node and the planner can put consecutive layers on different devices.
+
+The cell is the standard LSTM (Hochreiter & Schmidhuber 1997, with the forget gate of Gers et al.
+2000), optionally with the output projection of Sak et al. 2014 ("LSTMP": the recurrent state is
+`h W_proj`), as used by BigLSTM (Jozefowicz et al. 2016):
+
+  z_t = x_t W_ih + r_{t-1} W_hh + b          # [batch, 4 * hidden], gate order (i, f, g, o)
+  c_t = sigmoid(f + forget_bias) * c_{t-1} + sigmoid(i) * tanh(g)
+  h_t = sigmoid(o) * tanh(c_t)
+  r_t = h_t W_proj  (or h_t without projection)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def uniform_init(scale: float) -> nnx.Initializer:
+  """Initializer drawing from U(-scale, scale) (the LSTM init of PyTorch, GNMT and lm_1b)."""
+
+  def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+    return jax.random.uniform(key, shape, dtype, -scale, scale)
+
+  return init
+
+
+class LSTM(nnx.Module):
+  """A single (optionally projected, optionally reversed) LSTM layer over a whole sequence.
+
+  The input transform `x W_ih + b` is one matmul over all time steps; only the recurrent part runs
+  inside the `lax.scan`.
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    hidden_size: int,
+    *,
+    proj_size: int | None = None,
+    forget_bias: float = 0.0,
+    reverse: bool = False,
+    init_scale: float | None = None,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    """Builds the layer.
+
+    Args:
+      in_features: size of each input vector.
+      hidden_size: number of LSTM cells.
+      proj_size: if set, the recurrent state and the output are `h W_proj` of this size (LSTMP).
+      forget_bias: constant added to the forget-gate pre-activation (not a parameter).
+      reverse: run from the last time step to the first (backward half of a bidirectional layer).
+      init_scale: weights and bias are drawn from U(-init_scale, init_scale); default
+        1/sqrt(hidden_size) (PyTorch's LSTM default).
+      dtype: computation dtype.
+      param_dtype: parameter storage dtype.
+      rngs: random streams for initialisation.
+    """
+    if hidden_size <= 0 or in_features <= 0:
+      raise ValueError(f"LSTM sizes must be positive, got in={in_features}, hidden={hidden_size}.")
+    self.hidden_size = hidden_size
+    self.proj_size = proj_size
+    self.forget_bias = forget_bias
+    self.reverse = reverse
+    self.dtype = dtype
+    scale = init_scale if init_scale is not None else hidden_size**-0.5
+    init = uniform_init(scale)
+    rec = proj_size or hidden_size
+    self.w_ih = nnx.Param(init(rngs.params(), (in_features, 4 * hidden_size), param_dtype))
+    self.w_hh = nnx.Param(init(rngs.params(), (rec, 4 * hidden_size), param_dtype))
+    self.bias = nnx.Param(init(rngs.params(), (4 * hidden_size,), param_dtype))
+    if proj_size is not None:
+      self.w_proj = nnx.Param(init(rngs.params(), (hidden_size, proj_size), param_dtype))
+    else:
+      self.w_proj = None
+
+  @property
+  def out_features(self) -> int:
+    return self.proj_size or self.hidden_size
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Runs the layer over a batch of sequences from a zero state.
+
+    Args:
+      x: inputs, [batch, time, in_features].
+      mask: optional [batch, time] with 1 for real tokens and 0 for padding. At padded steps the
+        state is held and the output is zero, so a reversed layer effectively starts at each
+        sequence's last real token.
+
+    Returns:
+      Outputs, [batch, time, out_features].
+    """
+    dt = self.dtype
+    batch = x.shape[0]
+    w_hh = self.w_hh[...].astype(dt)
+    w_proj = None if self.w_proj is None else self.w_proj[...].astype(dt)
+    # [batch, time, 4 * hidden]: the input transform for all steps at once.
+    xw = x.astype(dt) @ self.w_ih[...].astype(dt) + self.bias[...].astype(dt)
+    xw = jnp.swapaxes(xw, 0, 1)  # [time, batch, 4 * hidden]
+    if mask is None:
+      m = jnp.ones(xw.shape[:2] + (1,), dt)
+    else:
+      m = jnp.swapaxes(mask, 0, 1)[..., None].astype(dt)  # [time, batch, 1]
+    c0 = jnp.zeros((batch, self.hidden_size), dt)
+    r0 = jnp.zeros((batch, self.out_features), dt)
+
+    def step(carry, inputs):
+      c, r = carry
+      z_t, m_t = inputs
+      z = z_t + r @ w_hh
+      i, f, g, o = jnp.split(z, 4, axis=-1)
+      c_new = jax.nn.sigmoid(f + self.forget_bias) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+      h_new = jax.nn.sigmoid(o) * jnp.tanh(c_new)
+      r_new = h_new if w_proj is None else h_new @ w_proj
+      c = m_t * c_new + (1 - m_t) * c
+      r = m_t * r_new + (1 - m_t) * r
+      return (c, r), r_new * m_t
+
+    _, ys = jax.lax.scan(step, (c0, r0), (xw, m), reverse=self.reverse)
+    return jnp.swapaxes(ys, 0, 1)  # [batch, time, out_features]
+
+
+class BiLSTM(nnx.Module):
+  """Bidirectional layer: a forward and a backward `LSTM`, outputs concatenated (GNMT encoder 0).
+
+  The two directions are separate submodules (`forward`, `backward`), so a planner grouping at
+  depth 2 can run them on different devices.
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    hidden_size: int,
+    *,
+    forget_bias: float = 0.0,
+    init_scale: float | None = None,
+    dtype: jnp.dtype = jnp.float32,
+    param_dtype: jnp.dtype = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    """Builds both directions; arguments as for `LSTM`."""
+    kw = dict(
+      forget_bias=forget_bias, init_scale=init_scale, dtype=dtype, param_dtype=param_dtype,
+      rngs=rngs,
+    )
+    self.forward = LSTM(in_features, hidden_size, reverse=False, **kw)
+    self.backward = LSTM(in_features, hidden_size, reverse=True, **kw)
+
+  @property
+  def out_features(self) -> int:
+    return 2 * self.forward.out_features
+
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """[batch, time, in] -> [batch, time, 2 * hidden]."""
+    return jnp.concatenate([self.forward(x, mask), self.backward(x, mask)], axis=-1)

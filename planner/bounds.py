@@ -1,0 +1,187 @@
+"""Lower bounds on the makespan that hold for every placement (the honest side of `Plan.gap`).
+
+Notation as in schedule.py: p_i the time of one task of node i, k micro-batches, M devices, W the
+sum of p_i; head_i / tail_i the longest compute-only paths before i starts and after i ends. Every
+bound here ignores transfers except through `fastest`, the cheapest delay of an edge between two
+distinct devices, which any edge crossing devices pays.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+from jaxhybrid.planner import schedule as sched
+from jaxhybrid.planner.problem import Problem
+
+
+def _fastest(problem: Problem, e: int) -> float:
+  """The least delay of edge e between two distinct devices."""
+  return min(
+    (v for a, row in enumerate(problem.transfer_s[e]) for b, v in enumerate(row) if a != b),
+    default=0.0,
+  )
+
+
+def _closure_work(problem: Problem) -> tuple[list[float], list[float]]:
+  """Per node: the summed p of its proper ancestors and of its proper descendants."""
+  n, p = problem.num_nodes, problem.compute_s
+  anc = [0] * n
+  for s, d in sorted(problem.edges, key=lambda e: e[1]):
+    anc[d] |= anc[s] | (1 << s)
+  desc = [0] * n
+  for s, d in sorted(problem.edges, key=lambda e: -e[0]):
+    desc[s] |= desc[d] | (1 << d)
+
+  def work(bits: int) -> float:
+    total = 0.0
+    while bits:
+      low = bits & -bits
+      total += p[low.bit_length() - 1]
+      bits ^= low
+    return total
+
+  return [work(a) for a in anc], [work(d) for d in desc]
+
+
+def idle_bounds(problem: Problem) -> tuple[list[float], list[float]]:
+  """Per node i: (r_i, q_i), the least idle time of a device before i when i is its first node
+  and after i when i is its last.
+
+  When i is the first node of device d, micro-batch 0 of every ancestor of i runs before (i, 0)
+  on the other devices, and the data of i's last predecessor crosses a link. So r_i is at least
+  - the longest path to a predecessor j plus p_j plus the fastest link of edge (j, i); and
+  - the ancestors' work spread over the M - 1 other devices, sum_{a anc i} p_a / (M - 1), plus
+    the fastest link of i's cheapest incoming edge (the predecessor that ends last is one of i's
+    predecessors, and every ancestor ends before some predecessor does).
+  q_i is the mirror image for i last on d: micro-batch k - 1 of every descendant runs after it
+  elsewhere. Sources have r_i = 0 and sinks q_i = 0.
+  """
+  p, n, M = problem.compute_s, problem.num_nodes, problem.devices
+  head, tail = sched.heads_tails(problem)
+  preds, succs = problem.predecessors(), problem.successors()
+  anc_work, desc_work = _closure_work(problem)
+  spread = max(1, M - 1)
+  r, q = [0.0] * n, [0.0] * n
+  for i in range(n):
+    if preds[i]:
+      links = [_fastest(problem, e) for _, e in preds[i]]
+      path = max(head[j] + p[j] + t for (j, _), t in zip(preds[i], links))
+      r[i] = max(path, anc_work[i] / spread + min(links)) if M > 1 else path
+    if succs[i]:
+      links = [_fastest(problem, e) for _, e in succs[i]]
+      path = max(t + p[j] + tail[j] for (j, _), t in zip(succs[i], links))
+      q[i] = max(path, desc_work[i] / spread + min(links)) if M > 1 else path
+  return r, q
+
+
+def _earliest(
+  problem: Problem, k: int, reverse: bool
+) -> list[list[float]]:
+  """Compute-only earliest start of each task (i, c) from time 0, or (reverse) the least time
+  from the end of (i, c) to the makespan. Micro-batches of a node run in order."""
+  n, p = problem.num_nodes, problem.compute_s
+  nbrs = problem.successors() if reverse else problem.predecessors()
+  order = range(n - 1, -1, -1) if reverse else range(n)
+  mbs = range(k - 1, -1, -1) if reverse else range(k)
+  est = [[0.0] * k for _ in range(n)]
+  for i in order:
+    prev = None
+    for c in mbs:
+      v = max((est[j][c] + p[j] for j, _ in nbrs[i]), default=0.0)
+      if prev is not None:
+        v = max(v, est[i][prev] + p[i])
+      est[i][c], prev = v, c
+  return est
+
+
+def _idle_curve(problem: Problem, k: int, reverse: bool) -> tuple[list[float], list[float]]:
+  """Breakpoints t and the least total idle of the M devices within the first (or, reversed,
+  the last) t seconds of any schedule.
+
+  Within a window of length t, task (i, c) can do at most min(p_i, max(0, t - est(i, c))) of its
+  work (est from `_earliest`); the M t device-seconds not so covered are idle. Idle time only
+  accumulates, so the curve is the running maximum.
+  """
+  p, M = problem.compute_s, problem.devices
+  est = _earliest(problem, k, reverse)
+  events: dict[float, float] = {}  # slope changes of the work curve
+  for i, row in enumerate(est):
+    if p[i] <= 0:
+      continue
+    for e in row:
+      events[e] = events.get(e, 0.0) + 1.0
+      events[e + p[i]] = events.get(e + p[i], 0.0) - 1.0
+  times, idle = [0.0], [0.0]
+  work, slope, last = 0.0, 0.0, 0.0
+  for t in sorted(events):
+    work += slope * (t - last)
+    slope += events[t]
+    last = t
+    times.append(t)
+    idle.append(max(idle[-1], M * t - work))
+  return times, idle
+
+
+def energetic_bound(problem: Problem, microbatches: int, start: float = 0.0) -> float:
+  """A bound from the idle time forced at the start and at the end of any schedule.
+
+  With makespan C, M C = k W + total idle. For windows [0, a] and [C - b, C] with a + b <= C the
+  idle inside them is at least I_start(a) + I_end(b) (`_idle_curve`), so
+  C >= g(C) = max_{a + b <= C} (k W + I_start(a) + I_end(b)) / M. g is nondecreasing, so
+  iterating C <- g(C) from a valid bound `start` only ever yields valid bounds (if C* >= C then
+  C* >= g(C*) >= g(C)). An "energetic reasoning" bound in the sense of scheduling theory
+  (Baptiste, Le Pape and Nuijten, "Constraint-Based Scheduling", 2001, ch. 3), specialised here.
+
+  Args:
+    problem: the problem.
+    microbatches: k.
+    start: a known valid lower bound to iterate from.
+
+  Returns:
+    The bound (at least `start`).
+  """
+  k, M = microbatches, problem.devices
+  total = k * sum(problem.compute_s)
+  ts, i_start = _idle_curve(problem, k, reverse=False)
+  te, i_end = _idle_curve(problem, k, reverse=True)
+  bound = max(start, total / M)
+  for _ in range(100):
+    best = 0.0
+    for a, ia in zip(ts, i_start):
+      if a > bound:
+        break
+      b = bisect.bisect_right(te, bound - a) - 1
+      best = max(best, (total + ia + i_end[b]) / M)
+    if best <= bound * (1 + 1e-12):
+      break
+    bound = best
+  return bound
+
+
+def work_bound(problem: Problem, microbatches: int, r: Sequence[float], q: Sequence[float]) -> float:
+  """min over the number m of used devices of (k W + the m smallest r + the m smallest q) / m:
+  the first tasks of the m used devices are distinct nodes, each idling its device r_i before it
+  (`idle_bounds`), and likewise after the last tasks."""
+  n, M = problem.num_nodes, problem.devices
+  r, q = sorted(r), sorted(q)
+  total = microbatches * sum(problem.compute_s)
+  return min((total + sum(r[:m]) + sum(q[:m])) / m for m in range(1, min(M, n) + 1))
+
+
+def lower_bound(problem: Problem, microbatches: int) -> float:
+  """A lower bound on the makespan of any placement on M devices, k = `microbatches`.
+
+  The largest of:
+  - max_i head_i + k p_i + tail_i: the critical path for one micro-batch, and the k serial runs of
+    node i between its longest head and tail;
+  - `work_bound` with the idle times of `idle_bounds`;
+  - `energetic_bound`, iterated from the two above.
+  """
+  k, p, n = microbatches, problem.compute_s, problem.num_nodes
+  if not n:
+    return 0.0
+  head, tail = sched.heads_tails(problem)
+  r, q = idle_bounds(problem)
+  simple = max(work_bound(problem, k, r, q), max(head[i] + k * p[i] + tail[i] for i in range(n)))
+  return energetic_bound(problem, k, simple)
