@@ -552,6 +552,9 @@ def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scope
   graphdef, params, state = nnx.split(model, nnx.Param, ...)
 
   def pure(p, s, batch):
+    # Fresh Variables at the current trace level: NNX refuses to mutate (e.g. BatchNorm's
+    # statistics) a Variable created at another one.
+    p, s = jax.tree.map(lambda x: x, (p, s))
     m = nnx.merge(graphdef, p, s)
     if not scopes:
       return loss_fn(m, batch)

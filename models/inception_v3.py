@@ -146,8 +146,9 @@ class BatchNorm(nnx.Module):
       # dots much faster than reductions (Inception has 94 BatchNorms; 4x shorter compile).
       w = jnp.full((xf.shape[0],), 1.0 / xf.shape[0], jnp.float32)
       mean = w @ xf
-      # E[x^2] - E[x]^2, clipped at 0 (the "fast variance" of flax's BatchNorm).
-      var = jnp.maximum(w @ jnp.square(xf) - jnp.square(mean), 0.0)
+      # Two-pass variance E[(x - E[x])^2]: the one-pass E[x^2] - E[x]^2 cancels catastrophically
+      # in float32 for low-variance channels, which made runs differ by reduction order alone.
+      var = w @ jnp.square(xf - mean)
       m = self.momentum
       self.mean.set_value(m * self.mean.get_value() + (1 - m) * jax.lax.stop_gradient(mean))
       self.var.set_value(m * self.var.get_value() + (1 - m) * jax.lax.stop_gradient(var))
