@@ -38,14 +38,35 @@ def _leading(x: Any) -> int | None:
   return shape[0] if len(shape) else None
 
 
-def microbatch_spec(batch: Any, global_batch: int, micro: int) -> tuple[Any, list[bool]]:
+# Batch leaves with these names are shared by the whole batch (not split into micro-batches),
+# whatever their shape: e.g. BigLSTM's sampled-softmax negatives `sampled_ids`.
+SHARED_BATCH_KEYS = ("sampled_ids",)
+
+
+def per_example_leaves(batch: Any, global_batch: int, shared_keys: Sequence[str] = SHARED_BATCH_KEYS) -> list[bool]:
+  """Per leaf: True if it has a leading batch dimension to split over workers/micro-batches.
+
+  A leaf is per-example when its leading dimension equals the global batch size and its key is
+  not in `shared_keys`.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(batch)
+  out = []
+  for path, x in flat:
+    name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
+    out.append(_leading(x) == global_batch and name not in shared_keys)
+  return out
+
+
+def microbatch_spec(
+  batch: Any, global_batch: int, micro: int, per_example: Sequence[bool] | None = None
+) -> tuple[Any, list[bool]]:
   """Abstract batch at the micro-batch size and, per leaf, whether it is per-example.
 
-  A leaf is per-example when its leading dimension equals the global batch size; other leaves
-  (e.g. BigLSTM's shared `sampled_ids`) are passed whole to every micro-batch.
+  Per-example leaves (see `per_example_leaves`) are cut to `micro` examples; the others (e.g.
+  BigLSTM's shared `sampled_ids`) are passed whole to every micro-batch.
   """
   leaves, treedef = jax.tree.flatten(batch)
-  per_example = [_leading(x) == global_batch for x in leaves]
+  per_example = list(per_example) if per_example is not None else per_example_leaves(batch, global_batch)
   out = [
     jax.ShapeDtypeStruct((micro,) + tuple(x.shape[1:]), x.dtype) if pe
     else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
@@ -144,8 +165,11 @@ def parallelize(
     raise ValueError(f"microbatches={microbatches}: use 1 or more")
   m = mesh_lib.make(mesh) if isinstance(mesh, str) else mesh
   data, model_ax = m.shape[mesh_lib.DATA], m.shape[mesh_lib.MODEL]
-  leaves = jax.tree.leaves(sample_batch)
-  sizes = [s for s in (_leading(x) for x in leaves) if s is not None]
+  flat, _ = jax.tree_util.tree_flatten_with_path(sample_batch)
+  sizes = [
+    _leading(x) for p, x in flat
+    if _leading(x) is not None and str(getattr(p[-1], "key", "")) not in SHARED_BATCH_KEYS
+  ]
   if not sizes:
     raise ValueError("the sample batch has no leaf with a batch dimension")
   global_batch = max(set(sizes), key=sizes.count)

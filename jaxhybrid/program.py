@@ -352,7 +352,8 @@ class HybridProgram:
     specs = self._opt_specs(abstract)
     shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
-    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+    step = _global(np.zeros((), np.int32), NamedSharding(self.mesh, P()))  # as the step returns it
+    return TrainState(params=params, opt_state=opt_state, step=step)
 
   # ---- the step -------------------------------------------------------------------------------
   def _vary(self, x: jax.Array) -> jax.Array:
@@ -530,7 +531,7 @@ class HybridProgram:
       params, opt_state, loss, (sq_worker, sq_global) = f(
         ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves)
       )
-      metrics = {"loss": loss, "grad_sq_norm": sq_global, "grad_sq_norm_worker": sq_worker}
+      metrics = {"loss": loss, "grad_sq_norm": sq_global, "worker_grad_sq_norm": sq_worker}
       if W > 1:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
         g2, tr = stat_eff.noise_scale_estimates(sq_worker, sq_global, b, W * b)
         metrics.update(noise_g2=g2, noise_trace_sigma=tr)

@@ -172,7 +172,7 @@ def test_bad_assignments_and_batches_raise():
 
 
 def test_noise_scale_inputs_are_worker_and_global_gradient_norms():
-  """grad_sq_norm_worker = mean over workers of |g_w|^2, grad_sq_norm = |mean_w g_w|^2."""
+  """worker_grad_sq_norm = mean over workers of |g_w|^2, grad_sq_norm = |mean_w g_w|^2."""
   model = toy.Towers(rngs=nnx.Rngs(2))
   batch = toy.regression_batch(8, seed=5)
   prog, p, s, pure = build(model, toy.mse_nnx, batch, "2x2", lambda n: 0 if n.name.startswith("a") else 1, 1, optax.sgd(0.0))
@@ -181,7 +181,7 @@ def test_noise_scale_inputs_are_worker_and_global_gradient_norms():
   halves = [jax.tree.map(lambda x: x[i * 4 : (i + 1) * 4], batch) for i in range(2)]
   gw = [jax.tree.leaves(jax.grad(pure)(p, s, h)) for h in halves]
   sq = lambda leaves: sum(float(np.sum(np.square(x))) for x in leaves)  # noqa: E731
-  np.testing.assert_allclose(float(metrics["grad_sq_norm_worker"]), (sq(gw[0]) + sq(gw[1])) / 2, rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["worker_grad_sq_norm"]), (sq(gw[0]) + sq(gw[1])) / 2, rtol=1e-5)
   mean = [(a + b) / 2 for a, b in zip(*gw)]
   np.testing.assert_allclose(float(metrics["grad_sq_norm"]), sq(mean), rtol=1e-5)
   assert np.isfinite(float(metrics["noise_trace_sigma"]))
