@@ -481,8 +481,13 @@ def _replicate_step(state: Any, mesh: Any) -> Any:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  step = np.asarray(jax.device_get(state.step)) if getattr(state.step, "is_fully_addressable", True) else state.step
   sharding = NamedSharding(mesh, P())
+  if isinstance(state.step, jax.Array) and state.step.sharding == sharding:
+    return state  # already as the compiled step returns it (HybridProgram.init_state)
+  if getattr(state.step, "is_fully_addressable", True):
+    step = np.asarray(jax.device_get(state.step))
+  else:  # replicated across processes: every process holds the value
+    step = np.asarray(state.step.addressable_data(0))
   return state._replace(step=jax.make_array_from_callback((), sharding, lambda _: step))
 
 
