@@ -364,11 +364,56 @@ class HybridProgram:
     missing = tuple(a for a in (DATA, MODEL) if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
-  def _local_loss(self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any], batch: Sequence[Any]) -> jax.Array:
-    """The placed forward on one device: returns the loss on the loss node's device, 0 elsewhere."""
+  def _views(self, rows: dict[str, jax.Array]) -> dict[int, jax.Array]:
+    """Every owned leaf sliced from this device's row at its owner's static offsets.
+
+    On the owner the view is the leaf; on other devices it is unused filler (only the branch of
+    the owner reads it). Differentiating with respect to these views rather than the rows turns
+    the backward's per-leaf full-row padding (one row-sized buffer per leaf and per slot) into
+    one concatenation per device layout (`_rows_from_views`).
+    """
+    lay = self.layout
+    out = {}
+    for i, d in enumerate(lay.owner):
+      if d >= 0:
+        n = math.prod(lay.shapes[i])
+        out[i] = lax.slice(rows[lay.dtypes[i]], (lay.offset[i],), (lay.offset[i] + n,)).reshape(lay.shapes[i])
+    return out
+
+  def _rows_from_views(self, grads: dict[int, jax.Array]) -> dict[str, jax.Array]:
+    """Gradient rows from view gradients: per device layout one concatenation, summed.
+
+    On device d the views of other devices' leaves get zero gradient (no branch that runs on d
+    reads them), so the sum over layouts is d's own row.
+    """
+    lay = self.layout
+    rows = {}
+    for dt, size in lay.sizes:
+      total = None
+      for d in range(lay.devices):
+        idx = sorted((i for i, o in enumerate(lay.owner) if o == d and lay.dtypes[i] == dt), key=lambda i: lay.offset[i])
+        if not idx:
+          continue
+        parts = [grads[i].reshape(-1) for i in idx]
+        used = lay.offset[idx[-1]] + math.prod(lay.shapes[idx[-1]])
+        if used < size:
+          parts.append(jnp.zeros((size - used,), grads[idx[0]].dtype))
+        row = jnp.concatenate(parts)
+        total = row if total is None else total + row
+      rows[dt] = total if total is not None else jnp.zeros((size,), dt)
+    return rows
+
+  def _local_loss(self, views: dict[int, jax.Array], shared: list[jax.Array], state: Sequence[Any], batch: Sequence[Any]) -> jax.Array:
+    """The placed forward on one device: returns the loss on the loss node's device, 0 elsewhere.
+
+    Args:
+      views: owned parameter leaves by leaf index (see `_views`).
+      shared: the shared leaves, in `layout.shared` order.
+      state: read-only model state leaves.
+      batch: this worker's batch leaves.
+    """
     g, lay, k = self.graph, self.layout, self.microbatches
     jaxpr = g.jaxpr
-    # Inputs by jaxpr invar.
     kinds = dict(zip(jaxpr.invars, g.input_kinds))
     consts = dict(zip(jaxpr.constvars, g.closed_jaxpr.consts))
     shared_pos = {leaf: j for j, leaf in enumerate(lay.shared)}
@@ -383,17 +428,13 @@ class HybridProgram:
     env: dict[tuple[Any, int], jax.Array] = {}
     me = lax.axis_index(MODEL)
 
-    def value(v, mb, own_rows):
+    def value(v, mb):
       if v in consts:
         return consts[v]
       if v in kinds:
         kind, idx = kinds[v]
         if kind == graph_lib.PARAM:
-          if lay.owner[idx] < 0:
-            return shared[shared_pos[idx]]
-          n = math.prod(lay.shapes[idx])
-          row = own_rows[lay.dtypes[idx]]
-          return lax.slice(row, (lay.offset[idx],), (lay.offset[idx] + n,)).reshape(lay.shapes[idx])
+          return shared[shared_pos[idx]] if lay.owner[idx] < 0 else views[idx]
         if kind == graph_lib.STATE:
           return state[idx]
         return mbatches[idx][mb]
@@ -414,19 +455,21 @@ class HybridProgram:
 
     for slot in self.slots:
       tasks = [slot[d] for d in sorted(slot)]
-      # Operands shared by all branches: activations and batch/state values the slot's tasks read.
+      # Operands shared by all branches: every value the slot's tasks read (parameters of
+      # the task's node, activations, batch and state), constants excepted.
       op_keys: list[tuple[Any, int]] = []
       for t in tasks:
         for v in g.nodes[t.node].invars:
-          if v in consts or (v in kinds and kinds[v][0] == graph_lib.PARAM):
+          if v in consts:
             continue
-          if (v, t.microbatch) not in op_keys:
-            op_keys.append((v, t.microbatch))
+          key = (v, 0) if v in kinds and kinds[v][0] != graph_lib.BATCH else (v, t.microbatch)
+          if key not in op_keys:
+            op_keys.append(key)
       out_keys = [(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars]
       out_avals = [v.aval for v, _ in out_keys]
 
       def make_branch(dev, tasks=tasks, op_keys=op_keys, out_keys=out_keys, out_avals=out_avals):
-        def branch(rows, shared_leaves, ops):
+        def branch(ops):
           local = dict(zip(op_keys, ops))
           results: dict[tuple[Any, int], jax.Array] = {}
           for t in tasks:
@@ -435,16 +478,12 @@ class HybridProgram:
             node = g.nodes[t.node]
             args = []
             for v in node.invars:
-              if (v, t.microbatch) in local:
-                args.append(local[(v, t.microbatch)])
-              elif v in kinds and kinds[v][0] == graph_lib.PARAM:
-                idx = kinds[v][1]
-                if lay.owner[idx] < 0:
-                  args.append(shared_leaves[shared_pos[idx]])
-                else:
-                  args.append(value(v, t.microbatch, rows))
+              if v in consts:
+                args.append(consts[v])
+              elif v in kinds and kinds[v][0] != graph_lib.BATCH:
+                args.append(local[(v, 0)])
               else:
-                args.append(value(v, t.microbatch, rows))
+                args.append(local[(v, t.microbatch)])
             outs = fn_of(t.node)(*args)
             for v, o in zip(node.outvars, outs):
               results[(v, t.microbatch)] = o
@@ -455,12 +494,12 @@ class HybridProgram:
 
         return branch
 
-      ops = [self._vary(value(v, mb, owned)) for v, mb in op_keys]
+      ops = [self._vary(value(v, mb)) for v, mb in op_keys]
       if len(tasks) == 1 and self.layout.devices == 1:
-        outs = make_branch(tasks[0].device)(owned, shared, ops)
+        outs = make_branch(tasks[0].device)(ops)
       else:
         branches = [make_branch(d) for d in range(self.layout.devices)]
-        outs = lax.switch(me, branches, owned, shared, ops)
+        outs = lax.switch(me, branches, ops)
       for key, o in zip(out_keys, outs):
         env[key] = o
       # Transfers: values made in this slot that other devices read, outside any branch.
@@ -490,13 +529,14 @@ class HybridProgram:
 
     def body(params, opt_state, state, batch):
       owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
-      owned_v = jax.tree.map(self._vary, owned)
+      views = {i: self._vary(x) for i, x in self._views(owned).items()}
       shared_v = [self._vary(x) for x in params["shared"]]
       state_v = [self._vary(x) for x in state]
       batch_v = [self._vary(x) for x in batch]
-      loss, (g_owned, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
-        owned_v, shared_v, state_v, batch_v
+      loss, (g_views, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
+        views, shared_v, state_v, batch_v
       )
+      g_owned = self._rows_from_views(g_views)
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
       sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
