@@ -197,6 +197,34 @@ def slots_from_schedule(
   return slots
 
 
+def group_slots(graph: graph_lib.OpGraph, slots: list[dict[int, Task]]) -> list[list[Task]]:
+  """Merges consecutive slots into groups that need no transfer inside them.
+
+  A slot joins the current group unless one of its tasks reads a value that another device made
+  in the group. Each group becomes ONE `lax.switch` (a device runs its tasks of the group in
+  order) followed by the transfers, so a run of same-device work pays one conditional, not one
+  per node; devices still work side by side within a group, and every transfer still happens as
+  soon as a reader on another device needs it.
+  """
+  made_by: dict[tuple[Any, int], int] = {}
+  groups: list[list[Task]] = []
+  for slot in slots:
+    tasks = [slot[d] for d in sorted(slot)]
+    crosses = any(
+      made_by.get((v, t.microbatch), t.device) != t.device
+      for t in tasks for v in graph.nodes[t.node].invars
+    )
+    if crosses or not groups:
+      groups.append([])
+      made_by = {}
+    groups[-1].extend(tasks)
+    for t in tasks:
+      for v in graph.nodes[t.node].outvars:
+        made_by[(v, t.microbatch)] = t.device
+  # Within a group keep slot order per device (tasks were appended slot by slot).
+  return groups
+
+
 # ---- the program ------------------------------------------------------------------------------
 
 class TrainState(NamedTuple):
@@ -223,6 +251,7 @@ class HybridProgram:
   microbatches: int
   layout: ParamLayout
   slots: list[dict[int, Task]]
+  groups: list[list[Task]]
   per_example: tuple[bool, ...]
   state_leaves: tuple[Any, ...]
   remat: frozenset[int]
@@ -289,7 +318,8 @@ class HybridProgram:
     prog = cls(
       graph=graph, mesh=mesh, optimizer=optimizer, assignment=tuple(int(a) for a in assignment),
       microbatches=microbatches, layout=param_layout(graph, assignment, M),
-      slots=slots_from_schedule(graph, assignment, microbatches, order),
+      slots=(slots := slots_from_schedule(graph, assignment, microbatches, order)),
+      groups=group_slots(graph, slots),
       per_example=tuple(per_example), state_leaves=state_leaves,
       remat=frozenset(names[r] for r in remat),
     )
@@ -453,14 +483,14 @@ class HybridProgram:
         node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
       return node_fns[nid]
 
-    for slot in self.slots:
-      tasks = [slot[d] for d in sorted(slot)]
-      # Operands shared by all branches: every value the slot's tasks read (parameters of
-      # the task's node, activations, batch and state), constants excepted.
+    for tasks in self.groups:
+      made = {(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars}
+      # Operands shared by all branches: every value the group's tasks read from before the group
+      # (parameters of the task's node, activations, batch and state), constants excepted.
       op_keys: list[tuple[Any, int]] = []
       for t in tasks:
         for v in g.nodes[t.node].invars:
-          if v in consts:
+          if v in consts or (v, t.microbatch) in made:
             continue
           key = (v, 0) if v in kinds and kinds[v][0] != graph_lib.BATCH else (v, t.microbatch)
           if key not in op_keys:
@@ -480,6 +510,8 @@ class HybridProgram:
             for v in node.invars:
               if v in consts:
                 args.append(consts[v])
+              elif (v, t.microbatch) in results:  # made earlier in this group, same device
+                args.append(results[(v, t.microbatch)])
               elif v in kinds and kinds[v][0] != graph_lib.BATCH:
                 args.append(local[(v, 0)])
               else:
@@ -495,8 +527,8 @@ class HybridProgram:
         return branch
 
       ops = [self._vary(value(v, mb)) for v, mb in op_keys]
-      if len(tasks) == 1 and self.layout.devices == 1:
-        outs = make_branch(tasks[0].device)(ops)
+      if self.layout.devices == 1:
+        outs = make_branch(0)(ops)
       else:
         branches = [make_branch(d) for d in range(self.layout.devices)]
         outs = lax.switch(me, branches, ops)
