@@ -55,6 +55,15 @@ def run_program(prog, params, batch, steps=STEPS):
   return losses, prog.unpack(ts.params), ts
 
 
+def assert_matches_reference(prog, params, state, pure, batch, opt):
+  """Losses and parameters after STEPS steps equal plain single-device training (rtol 1e-5)."""
+  losses, leaves, _ = run_program(prog, params, batch)
+  ref_losses, ref_leaves = reference_run(pure, params, state, batch, opt)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for a, b in zip(leaves, ref_leaves):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def split_lstm(node):
   """embed, l0 on device 0; l1, out on device 1."""
   return 0 if node.name.split("/")[0] in ("embed", "l0") else 1
@@ -70,11 +79,7 @@ def test_lstm_stack_matches_reference(mesh_spec, k):
   opt = optax.adam(1e-2)
   M = mesh_lib.parse(mesh_spec).model
   prog, p, s, pure = build(model, toy.lstm_loss, batch, mesh_spec, split_lstm if M == 2 else (lambda n: 0), k, opt)
-  losses, leaves, _ = run_program(prog, p, batch)
-  ref_losses, ref_leaves = reference_run(pure, p, s, batch, opt)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  for a, b in zip(leaves, ref_leaves):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
 def test_shared_parameters_are_summed_over_model_axis():
@@ -84,11 +89,7 @@ def test_shared_parameters_are_summed_over_model_axis():
   opt = optax.sgd(0.5)
   prog, p, s, pure = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt)
   assert prog.layout.shared, "the tied embedding should be shared across devices"
-  losses, leaves, _ = run_program(prog, p, batch)
-  ref_losses, ref_leaves = reference_run(pure, p, s, batch, opt)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  for a, b in zip(leaves, ref_leaves):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
 def test_independent_towers_two_way():
@@ -96,11 +97,7 @@ def test_independent_towers_two_way():
   batch = toy.regression_batch(8)
   opt = optax.adam(1e-2)
   prog, p, s, pure = build(model, toy.mse_nnx, batch, "2x2", lambda n: 0 if n.name.startswith("a") else 1, 1, opt)
-  losses, leaves, _ = run_program(prog, p, batch)
-  ref_losses, ref_leaves = reference_run(pure, p, s, batch, opt)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  for a, b in zip(leaves, ref_leaves):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
 def test_one_program_holds_allreduce_and_collective_permute():
