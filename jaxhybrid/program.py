@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxhybrid import convs
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import stat_eff
 from jaxhybrid.mesh import DATA, MODEL
@@ -255,6 +256,8 @@ class HybridProgram:
   per_example: tuple[bool, ...]
   state_leaves: tuple[Any, ...]
   remat: frozenset[int]
+  # Replay convolutions in the canonical layout (see jaxhybrid/convs.py); on for CPU meshes.
+  canonical_convs: bool = False
   _step: Callable | None = None
 
   # ---- construction ---------------------------------------------------------------------------
@@ -271,6 +274,7 @@ class HybridProgram:
     state: Any = None,
     per_example: Sequence[bool] | None = None,
     remat: Sequence[str] = (),
+    canonical_convs: bool | None = None,
   ) -> HybridProgram:
     """Builds the program.
 
@@ -285,6 +289,10 @@ class HybridProgram:
       per_example: per batch leaf, whether it has a leading batch dimension (default: leaves
         whose leading dimension equals the traced micro-batch size).
       remat: node names to rematerialise in the backward pass.
+      canonical_convs: replay convolutions in the canonical NHWC/HWIO layout, backward included
+        (`jaxhybrid.convs`). XLA:CPU leaves convolutions inside conditional branches in the
+        layout autodiff wrote, which runs their gradients ~6x slower; None = on when the mesh's
+        devices are CPUs.
 
     Raises:
       ValueError: if the assignment does not fit the graph or the mesh.
@@ -322,6 +330,9 @@ class HybridProgram:
       groups=group_slots(graph, slots),
       per_example=tuple(per_example), state_leaves=state_leaves,
       remat=frozenset(names[r] for r in remat),
+      canonical_convs=(
+        mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
+      ),
     )
     return prog
 
@@ -479,7 +490,9 @@ class HybridProgram:
 
     def fn_of(nid):
       if nid not in node_fns:
-        f = g.node_fn(g.nodes[nid])
+        closed = g.node_jaxpr(g.nodes[nid])
+        use = self.canonical_convs and convs.has_convs(closed.jaxpr)
+        f = convs.jaxpr_fn(closed) if use else g.node_fn(g.nodes[nid])
         node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
       return node_fns[nid]
 

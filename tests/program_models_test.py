@@ -29,9 +29,16 @@ STEPS = 3
 PER_CHUNK = 2  # examples per micro-batch
 
 
+# Tiny Inception's BatchNorm normalises 8 values per channel on 1x1 maps; with the default epsilon
+# (1e-3) a near-constant channel divides by ~0.03 and float rounding is amplified step to step
+# (step-3 losses of two correct float32 programs differ by ~1e-3). A larger epsilon keeps the
+# model well conditioned so the comparison tests the program, not the conditioning.
+_OVERRIDES = {"inception_v3": {"bn_epsilon": 0.1}}
+
+
 @functools.lru_cache(maxsize=None)
 def _model(name):
-  spec = models.get(name, "tiny")
+  spec = models.get(name, "tiny", **_OVERRIDES.get(name, {}))
   return spec, spec.init(0)  # one compiled init (eager Inception init compiles per layer)
 
 
@@ -75,11 +82,10 @@ def check(name, mesh_spec, k, planner, max_nodes=None):
   if shape.model > 1 and (k > 1 or name == "inception_v3"):
     # Pipelined stacks and branchy blocks gain from 2 devices (a chain at k=1 does not).
     assert len(set(hy.plan.assignment)) > 1, "the 2-way plan should use both devices"
-  # Tiny Inception is numerically chaotic (BatchNorm over 1x1 maps of 8 examples): gradients
-  # agree to float rounding at step 1, but rounding differences from XLA's fusion choices grow
-  # to ~1e-5 absolute in a few low-variance BatchNorm parameters by step 3, and the step-3 loss
-  # moves by ~1e-3 relative, in a plain single-device program too (measured: only the fusion
-  # differs). Its parameters are compared after step 1 and its losses over 2 steps.
+  # Even well conditioned, tiny Inception amplifies rounding: its stem convolutions sum gradients
+  # over 75x75 maps and after 3 steps differ by ~2.5e-5 absolute (~1 % of their 3-step update)
+  # between XLA fusions of the same math, and the step-3 loss by up to ~3e-5 relative (4x2, k=2).
+  # So its parameters are compared after step 1 and its losses over 2 steps.
   param_steps = 1 if name == "inception_v3" else STEPS
   steps = 2 if name == "inception_v3" else STEPS
   state = hy.init()
