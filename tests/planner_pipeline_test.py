@@ -105,3 +105,22 @@ def test_pipelined_plan_reports_an_honest_gap():
                                    / plan.predicted_step_s)
   assert plan.status in ("optimal", "feasible")
   assert (plan.status == "optimal") == (plan.gap <= 0.01 + 1e-9)
+
+
+def test_window_search_descends_to_the_best_list_scheduled_split():
+  # The layer stack from the all-on-one-device start (16 s): windows of two layers (4 placements
+  # each) reach the contiguous 2-stage split, the best placement under list scheduling (10.05 s).
+  prob = _layer_stack()
+  start = heur.evaluate(prob, [0, 0, 0, 0], 4)
+  found = heur.window_search(prob, 4, None, start, 60.0, max_window_placements=4)
+  assert found.makespan == pytest.approx(10.05)
+  assert found.assignment in ((0, 0, 1, 1), (1, 1, 0, 0))
+  tasks = sched.to_tasks(prob, found.assignment, [list(r) for r in found.starts])
+  planner.validate_schedule(prob, found.assignment, tasks, 4)
+  # Fixed nodes stay put, and the search never returns something worse than its start.
+  pinned = heur.window_search(prob, 4, None, start, 60.0, fixed={0: 0, 1: 0, 2: 0, 3: 0})
+  assert pinned == start
+  prob8 = _inception_like(blocks=2, devices=2, seed=4)
+  start8 = heur.evaluate(prob8, [0] * prob8.num_nodes, 2)
+  found8 = heur.window_search(prob8, 2, (1e18, 1e18), start8, 60.0, max_window_placements=8)
+  assert found8.makespan <= start8.makespan
