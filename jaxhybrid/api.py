@@ -114,6 +114,19 @@ class Hybrid:
     return jax.tree.unflatten(self.graph.param_treedef, self.program.unpack(state.params))
 
 
+def broadcast_text(text: str) -> str:
+  """Process 0's `text` on every process (one process: unchanged)."""
+  if jax.process_count() == 1:
+    return text
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(text.encode(), np.uint8)
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+  buf = np.zeros((n,), np.uint8)
+  buf[: min(n, len(data))] = data[:n]
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
+
+
 def parallelize(
   model: Any,
   loss_fn: Callable[..., jax.Array],
@@ -214,6 +227,10 @@ def parallelize(
     opts.setdefault("microbatches", microbatches)
     opts.setdefault("method", planner)
     plan = planner_lib.place(g, c, devices=model_ax, **opts)
+    if jax.process_count() > 1:
+      # Every process must run the same program: time-limited searches (and ties) can differ
+      # between processes, and different plans would deadlock in the first collective.
+      plan = planner_lib.Plan.from_json(broadcast_text(plan.to_json()))
   elif getattr(plan, "graph_fingerprint", g.fingerprint()) != g.fingerprint():
     raise ValueError(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "

@@ -345,21 +345,6 @@ def _optimizer(config: RunConfig):
   return getattr(optax, config.optimizer)(config.learning_rate)
 
 
-def _broadcast_text(text: str | None) -> str:
-  """Process 0's text on every process (single process: unchanged)."""
-  import jax
-
-  if jax.process_count() == 1:
-    return text
-  from jax.experimental import multihost_utils
-
-  data = np.frombuffer((text or "").encode(), np.uint8)
-  n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
-  buf = np.zeros((n,), np.uint8)
-  buf[: len(data)] = data[:n]
-  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
-
-
 def build(config: RunConfig):
   """Model, data and the placed, compiled hybrid step for a resolved config.
 
@@ -409,14 +394,7 @@ def build(config: RunConfig):
     )
   except ValueError as e:
     raise errors.UsageError(f"{e}") from None
-  if jax.process_count() > 1 and plan is None:
-    # Every process must run the same plan; the time-limited MILP may differ between processes.
-    text = _broadcast_text(hybrid.plan.to_json() if jax.process_index() == 0 else None)
-    shared = planner_lib.Plan.from_json(text)
-    if shared != hybrid.plan:
-      hybrid = api.parallelize(
-        model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
-        microbatches=config.microbatches, plan=shared)
+  # api.parallelize gives every process process 0's plan.
   return spec, hybrid, batch_fn
 
 
