@@ -236,7 +236,7 @@ def parallelize(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
       f"{g.fingerprint()}: re-plan (or check model size, batch and micro-batches)"
     )
-  order = [(t.node, t.microbatch) for t in sorted(plan.schedule, key=lambda t: (t.start_s, t.node, t.microbatch))]
+  order = program_lib.plan_order(plan.schedule)
   prog = program_lib.HybridProgram.build(
     g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
     state=state_leaves, per_example=per_example, remat=remat,

@@ -153,6 +153,11 @@ class Task(NamedTuple):
   device: int
 
 
+def plan_order(schedule: Sequence[Any]) -> list[tuple[int, int]]:
+  """(node, micro-batch) in the order a plan's schedule starts them (ties: node, micro-batch)."""
+  return [(t.node, t.microbatch) for t in sorted(schedule, key=lambda t: (t.start_s, t.node, t.microbatch))]
+
+
 def slots_from_schedule(
   graph: graph_lib.OpGraph,
   assignment: Sequence[int],
