@@ -46,6 +46,11 @@ flags.DEFINE_string("size", "small", "Model size preset (a step of about a secon
 flags.DEFINE_integer("batch", 0, "Per-worker batch (0: the model's bench default).")
 flags.DEFINE_integer("microbatches", 0, "Micro-batches for the plan (0: model default).")
 flags.DEFINE_string("planner", "milp", "Planner method.")
+# Off by default: measured (results/bench_mp_lockstep_choice.json) it picked Inception-V3's
+# interleaved plan (lock step 0.392 s predicted, 0.556 s measured, 1.03x), slower than MILP plans
+# measured at 1.09-1.22x; GNMT 1.30x (dp), BigLSTM 1.16x (dp), both as with the MILP plan.
+flags.DEFINE_boolean("choose_lockstep", False, "Run whichever of the planner's plan and the "
+                     "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
@@ -60,6 +65,10 @@ flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 # ~0.8 s, BigLSTM ~0.6 s); at batch 16 four micro-batches of 4 cost GNMT 44 % over one batch
 # of 16 on one core (small LSTM matmuls), at 64 it is 9 %.
 BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4)}
+
+
+# Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
+LOCKSTEP_CANDIDATES = ("dp", "interleaved")
 
 
 def _overrides() -> dict:
@@ -156,6 +165,14 @@ def role_single(work: pathlib.Path, name: str) -> None:
   t0 = time.perf_counter()
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner, time_limit_s=FLAGS.time_limit)
   plan_s = time.perf_counter() - t0
+  if FLAGS.choose_lockstep:
+    # The program runs in lock step: keep whichever of the planner's plan and the pipeline
+    # heuristics' plans is fastest that way (jaxhybrid.lockstep.choose).
+    cands = [plan] + [planner.place(g, cm, devices=2, microbatches=k, method=m) for m in LOCKSTEP_CANDIDATES]
+    plan, cand_s = lockstep.choose(g, cands, cm)
+    chosen = {"lockstep_candidates": dict(zip([FLAGS.planner, *LOCKSTEP_CANDIDATES], cand_s))}
+  else:
+    chosen = {}
   plan.save(work / f"plan_{name}.json")
   # The program runs the plan group by group in lock step (jaxhybrid.lockstep): price that too.
   prog_t = lockstep.plan_step_s(g, plan, cm)
@@ -176,7 +193,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "predicted_program_speedup": full_1dev_s / prog_t.step_s, "program_groups": prog_t.groups,
     "program_transfers": prog_t.transfers,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
-    "nodes": len(g.nodes), "batch": b, "microbatches": k,
+    "nodes": len(g.nodes), "batch": b, "microbatches": k, "plan_method": plan.method, **chosen,
   }))
 
 
@@ -240,7 +257,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
 def _worker_argv(role: str, model: str = "") -> list[str]:
   argv = [
     __file__, f"--role={role}", f"--model={model}", f"--size={FLAGS.size}", f"--batch={FLAGS.batch}",
-    f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--time_limit={FLAGS.time_limit}",
+    f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]

@@ -93,3 +93,20 @@ def plan_step_s(graph: graph_lib.OpGraph, plan: Any, costs: costs_lib.CostModel)
   order = program_lib.plan_order(plan.schedule)
   slots = program_lib.slots_from_schedule(graph, plan.assignment, plan.microbatches, order or None)
   return program_step_s(graph, program_lib.group_slots(graph, slots), plan.assignment, costs)
+
+
+def choose(graph: graph_lib.OpGraph, plans: Sequence[Any], costs: costs_lib.CostModel) -> tuple[Any, list[float]]:
+  """The plan the program runs fastest in lock step (first on ties), and every plan's time.
+
+  The MILP minimises the asynchronous schedule's makespan, which lets transfers overlap compute;
+  where transfers are slow and serialised (one-core CPU processes over gloo) a heuristic plan with
+  fewer transfers can run faster. Pass the MILP plan and heuristic plans for the same graph.
+
+  Raises:
+    ValueError: if `plans` is empty.
+  """
+  if not plans:
+    raise ValueError("choose() needs at least one plan")
+  times = [plan_step_s(graph, p, costs).step_s for p in plans]
+  best = min(range(len(plans)), key=lambda i: (times[i], i))
+  return plans[best], times

@@ -89,3 +89,17 @@ def test_plan_step_prices_the_groups_the_program_builds():
   assert lockstep.plan_step_s(g, plan, cm) == want
   # Lock step never beats the plan's own (asynchronous) schedule.
   assert want.step_s >= plan.predicted_step_s - 1e-12
+
+
+def test_choose_prefers_fewer_transfers_when_the_link_is_slow():
+  from jaxhybrid import planner
+
+  g = _towers(2)
+  slow = FixedCosts(0.01, costs_lib.Link(alpha_s=1.0, bandwidth_bytes_s=1e3))
+  split = planner.place(g, FixedCosts(0.01, costs_lib.Link(alpha_s=0.0, bandwidth_bytes_s=1e15)), devices=2, microbatches=2, method="etf")
+  single = planner.place(g, slow, devices=2, microbatches=2, method="single")
+  assert len(set(split.assignment)) == 2
+  best, times = lockstep.choose(g, [split, single], slow)
+  assert best is single and times[1] < times[0]
+  best, _ = lockstep.choose(g, [split, single], FixedCosts(0.01, costs_lib.Link(alpha_s=0.0, bandwidth_bytes_s=1e15)))
+  assert best is split
