@@ -20,10 +20,10 @@ import os
 
 from absl import app, flags
 
-from jaxhybrid import hardware, projection, stat_eff
+from jaxhybrid import hardware, paper_scenario, projection, stat_eff
 
 _SCENARIO = flags.DEFINE_enum("scenario", None, ["paper"], "All three paper models.")
-_MODEL = flags.DEFINE_enum("model", None, list(projection.PAPER_MODELS), "One model.")
+_MODEL = flags.DEFINE_enum("model", None, list(paper_scenario.PAPER_MODELS), "One model.")
 _HARDWARE = flags.DEFINE_enum("hardware", "dgx1-v100", list(hardware.names()), "Node type.")
 _MP = flags.DEFINE_integer("mp", 2, "M: devices per hybrid worker.")
 _DEVICES = flags.DEFINE_list(
@@ -51,9 +51,9 @@ def _per_model(entries: list[str], model: str) -> str | None:
     name, sep, value = entry.partition("=")
     if not sep:
       found = entry
-    elif name not in projection.PAPER_MODELS:
+    elif name not in paper_scenario.PAPER_MODELS:
       raise ValueError(f"Override {entry!r}: unknown model {name!r}; use one of "
-                       f"{', '.join(projection.PAPER_MODELS)}.")
+                       f"{', '.join(paper_scenario.PAPER_MODELS)}.")
     elif name == model:
       return value
   return found
@@ -74,7 +74,7 @@ def _workload(name: str, hw: hardware.Hardware) -> projection.Workload:
   step_ms = _number(_STEP_MS.value, name)
   grad_mb = _number(_GRAD_MB.value, name)
   batch = _number(_BATCH.value, name)
-  return projection.paper_workload(
+  return paper_scenario.paper_workload(
     name,
     hw,
     s_mp_2=s_mp,
@@ -97,7 +97,7 @@ def main(argv):
     raise app.UsageError(
       f"--mp={_MP.value}: the defaults only know S_MP(2); pass --s_mp or --plan."
     )
-  names = list(projection.PAPER_MODELS) if _SCENARIO.value else [_MODEL.value]
+  names = list(paper_scenario.PAPER_MODELS) if _SCENARIO.value else [_MODEL.value]
   hw = hardware.get(_HARDWARE.value)
   comm = projection.CommConfig(
     overlap=_OVERLAP.value,
@@ -121,7 +121,7 @@ def main(argv):
     print()
   print(f"{'model':<14} {'N*':>6} {'our gain':>9} {'paper':>7}   (hybrid over best DP, at scale)")
   for p in results:
-    paper = projection.PAPER_GAINS.get(p.model)
+    paper = paper_scenario.PAPER_GAINS.get(p.model)
     print(
       f"{p.model:<14} {str(p.crossover_devices):>6} {p.gain_at_scale * 100:>8.1f}% "
       f"{'' if paper is None else f'{paper * 100:>6.1f}%'}"
@@ -131,7 +131,7 @@ def main(argv):
   out = {
     "hardware": hw.name,
     "comm": dataclasses.asdict(comm),
-    "paper_gains": projection.PAPER_GAINS,
+    "paper_gains": paper_scenario.PAPER_GAINS,
     "models": {p.model: p.to_json() for p in results},
   }
   json_path = os.path.join(_OUT.value, "projection.json")

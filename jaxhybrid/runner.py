@@ -255,9 +255,9 @@ def _resolve(config: RunConfig) -> RunConfig:
   size = config.size or ("paper" if on_gpu else "tiny")
   batch = config.batch
   if batch is None:
-    from jaxhybrid import projection
+    from jaxhybrid import paper_scenario
 
-    paper = projection.PAPER_MODELS.get(config.model)
+    paper = paper_scenario.PAPER_MODELS.get(config.model)
     batch = paper.per_gpu_batch if on_gpu and paper else 4
   workdir = config.workdir
   if workdir is None:
@@ -433,13 +433,14 @@ def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
   paper scenario's default S_MP(2) is used (a tiny model's S_MP says nothing about the paper's).
   """
   from jaxhybrid import hardware
+  from jaxhybrid import paper_scenario
   from jaxhybrid import projection
 
   hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
   hw = hardware.get(hw_name)
   from_plan = config.size == "paper" and model_axis >= 2 and plan.hardware.startswith("dgx")
   m = model_axis if from_plan else 2
-  w = projection.paper_workload(config.model, hw)
+  w = paper_scenario.paper_workload(config.model, hw)
   if from_plan:
     w = dataclasses.replace(w, s_mp=((m, plan.predicted_speedup),))
   p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from jaxhybrid import hardware, projection, stat_eff
+from jaxhybrid import hardware, paper_scenario, projection, stat_eff
 
 V100 = hardware.get("dgx1-v100")
 A100 = hardware.get("dgx-a100")
@@ -153,16 +153,16 @@ def test_flop_and_measured_step_time():
 
 
 def test_paper_workloads_and_projection_json(tmp_path):
-  w = projection.paper_workload("inception_v3", V100)
+  w = paper_scenario.paper_workload("inception_v3", V100)
   assert w.per_worker_batch == 64 and w.speedup_mp(2) == 1.32
   # 3 x 11.42 GFLOP per image x 64 at 15.7 TFLOP/s x 0.5.
   assert w.step_time(64) == pytest.approx(64 * 3 * 2 * 5.71e9 / (15.7e12 * 0.5))
-  w2 = projection.paper_workload("gnmt", V100, s_mp_2=1.5, step_time_s=0.25, b_noise=1000)
+  w2 = paper_scenario.paper_workload("gnmt", V100, s_mp_2=1.5, step_time_s=0.25, b_noise=1000)
   assert w2.speedup_mp(2) == 1.5 and w2.step_time(128) == 0.25
   assert w2.se.b_noise == 1000
   assert "given by the user" in dict(w2.assumptions)["s_mp_2"]
   with pytest.raises(ValueError, match="biglstm"):
-    projection.paper_workload("resnet", V100)
+    paper_scenario.paper_workload("resnet", V100)
   p = projection.project(w, V100, projection.CommConfig(), [8, 16, 32, 64], m=2)
   d = json.loads(json.dumps(p.to_json()))
   for key in ("crossover_devices", "gain_at_scale", "s_mp", "s_dp", "s_hyb", "assumptions"):
