@@ -20,6 +20,8 @@ predicted_program_speedup / prediction_error_program: the same with the plan pri
 program runs it (jaxhybrid.lockstep: group by group in lock step, transfers not overlapped),
 overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
 fast as plain jit), ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
+With --compare_unpacked: step_s_plan_unpacked (every transfer its own ppermute) and
+packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run.
 Step times are medians over --steps timed steps after --warmup steps.
 """
 
@@ -51,6 +53,10 @@ flags.DEFINE_string("planner", "milp", "Planner method.")
 # measured at 1.09-1.22x; GNMT 1.30x (dp), BigLSTM 1.16x (dp), both as with the MILP plan.
 flags.DEFINE_boolean("choose_lockstep", False, "Run whichever of the planner's plan and the "
                      "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
+flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size share one "
+                     "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
+flags.DEFINE_boolean("compare_unpacked", True, "Also time the plan with every transfer its own "
+                     "ppermute (step_s_plan_unpacked), in the same run.")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
@@ -69,6 +75,12 @@ BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4)}
 
 # Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
 LOCKSTEP_CANDIDATES = ("dp", "interleaved")
+
+
+def _pack_max_bytes() -> int:
+  from jaxhybrid import program as program_lib
+
+  return program_lib.DEFAULT_PACK_MAX_BYTES if FLAGS.pack_max_bytes < 0 else FLAGS.pack_max_bytes
 
 
 def _overrides() -> dict:
@@ -175,7 +187,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     chosen = {}
   plan.save(work / f"plan_{name}.json")
   # The program runs the plan group by group in lock step (jaxhybrid.lockstep): price that too.
-  prog_t = lockstep.plan_step_s(g, plan, cm)
+  prog_t = lockstep.plan_step_s(g, plan, cm, pack_max_bytes=_pack_max_bytes())
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work)).step_time_s(g_full)
@@ -191,7 +203,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "plan_single_device_s": plan.single_device_s,
     "predicted_program_step_s": prog_t.step_s, "predicted_program_transfer_s": prog_t.transfer_s,
     "predicted_program_speedup": full_1dev_s / prog_t.step_s, "program_groups": prog_t.groups,
-    "program_transfers": prog_t.transfers,
+    "program_transfers": prog_t.transfers, "pack_max_bytes": _pack_max_bytes(),
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "plan_method": plan.method, **chosen,
   }))
@@ -214,9 +226,16 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   # 1) the plan on mesh 1x2
   plan = planner.Plan.load(work / f"plan_{name}.json")
   batch = spec.synthetic_batch(0, b)
-  hy = api.parallelize(model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan)
-  fn = lambda st, bt: hy.program.step_fn()(st, bt)  # noqa: E731
-  out["step_s_plan"], _ = _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)
+  packs = {"step_s_plan": _pack_max_bytes()}
+  if FLAGS.compare_unpacked and _pack_max_bytes() > 0:
+    packs["step_s_plan_unpacked"] = 0
+  for field, pack in packs.items():
+    hy = api.parallelize(
+      model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
+      program_options={"pack_max_bytes": pack},
+    )
+    fn = lambda st, bt, hy=hy: hy.program.step_fn()(st, bt)  # noqa: E731
+    out[field], _ = _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)
   # 2) data parallel 2x1: plain jit vs the hybrid program (one-device plan)
   batch2 = spec.synthetic_batch(0, 2 * b)
   m21 = mesh_lib.make("2x1")
@@ -258,6 +277,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
   argv = [
     __file__, f"--role={role}", f"--model={model}", f"--size={FLAGS.size}", f"--batch={FLAGS.batch}",
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
+    f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]
@@ -289,6 +309,8 @@ def driver() -> list[dict]:
       "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
       "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
     })
+    if "step_s_plan_unpacked" in multi:
+      cases[-1]["packing_speedup"] = multi["step_s_plan_unpacked"] / multi["step_s_plan"]
   return cases
 
 

@@ -144,6 +144,7 @@ def parallelize(
   depth: int = 2,
   max_nodes: int | None = None,
   remat: Sequence[str] = (),
+  program_options: dict[str, Any] | None = None,
 ) -> Hybrid:
   """Traces, places and compiles a hybrid DP x MP train step for a Flax model.
 
@@ -163,6 +164,7 @@ def parallelize(
     plan: an existing Plan to apply instead of planning (must be for this graph).
     depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`).
     remat: node names to rematerialise.
+    program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes).
 
   Returns:
     A `Hybrid` with `.graph`, `.plan`, `.program`, `.init()`, `.step()`.
@@ -239,6 +241,6 @@ def parallelize(
   order = program_lib.plan_order(plan.schedule)
   prog = program_lib.HybridProgram.build(
     g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
-    state=state_leaves, per_example=per_example, remat=remat,
+    state=state_leaves, per_example=per_example, remat=remat, **(program_options or {}),
   )
   return Hybrid(graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves, reference_loss=reference)

@@ -10,10 +10,11 @@ switches and ppermutes).
 `program_step_s` prices that structure with the same cost model the planner used:
 
   T = sum over groups g of  max over devices d of  sum_{tasks of d in g} t(node)
-      + sum over groups of  sum over transfers x of  2 * t_link(bytes(x))
+      + sum over groups of  sum over messages x of  2 * t_link(bytes(x))
 
-with t(node) the node's forward + backward time and each transfer paid twice (the activation
-forward, its gradient backward). Assumption (named here, not in the paper): a node's forward
+with t(node) the node's forward + backward time and each message (one ppermute; small transfers
+of a group share one, `program.group_messages`) paid twice (the activations forward, their
+gradients backward). Assumption (named here, not in the paper): a node's forward
 and backward times keep the same ratio across nodes, so pricing the forward and backward
 phases of a group by the fwd+bwd sum per device gives the same maximum.
 """
@@ -21,11 +22,9 @@ phases of a group by the fwd+bwd sum per device gives the same maximum.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
@@ -39,7 +38,7 @@ class LockstepTime:
   compute_s: float
   # Sum of all transfer times, forward activations and backward gradients.
   transfer_s: float
-  # Number of groups (switches) and of transfers (ppermutes, forward only).
+  # Number of groups (switches) and of messages (ppermutes, forward only).
   groups: int
   transfers: int
 
@@ -53,6 +52,7 @@ def program_step_s(
   groups: Sequence[Sequence[Any]],
   assignment: Sequence[int],
   costs: costs_lib.CostModel,
+  pack_max_bytes: int | None = None,
 ) -> LockstepTime:
   """Prices a program's groups (`HybridProgram.groups`) in lock step (see module docstring).
 
@@ -61,10 +61,17 @@ def program_step_s(
     groups: lists of tasks with `.node`, `.microbatch`, `.device`, in program order.
     assignment: node -> model-axis device.
     costs: the cost model (node times, link).
+    pack_max_bytes: as `HybridProgram.build`'s (default: the program's default): a packed
+      message costs one link time of its longest source buffer.
 
   Returns:
     The predicted compute, transfer and total step time.
   """
+  from jaxhybrid import program as program_lib
+
+  if pack_max_bytes is None:
+    pack_max_bytes = program_lib.DEFAULT_PACK_MAX_BYTES
+  devices = max(assignment, default=0) + 1
   consumers: dict[Any, set[int]] = {}
   for n in graph.nodes:
     for v in n.invars:
@@ -77,22 +84,25 @@ def program_step_s(
     for t in tasks:
       per_device[t.device] = per_device.get(t.device, 0.0) + node_s[t.node]
     compute += max(per_device.values(), default=0.0)
-    for t in tasks:
-      for v in graph.nodes[t.node].outvars:
-        for dst in sorted(consumers.get(v, set()) - {t.device}):
-          nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
-          transfer += 2 * costs.transfer_time_s(nbytes, t.device, dst)
-          count += 1
+    for msg in program_lib.group_messages(graph, tasks, consumers, devices, pack_max_bytes):
+      nbytes = max(sum(program_lib.aval_nbytes(v.aval) for v, _ in keys) for keys in msg.payloads.values())
+      # The ppermute ends when its slowest pair does; forward activations, backward gradients.
+      transfer += 2 * max(
+        costs.transfer_time_s(nbytes, src, (src + msg.shift) % devices) for src in msg.payloads
+      )
+      count += 1
   return LockstepTime(compute_s=compute, transfer_s=transfer, groups=len(groups), transfers=count)
 
 
-def plan_step_s(graph: graph_lib.OpGraph, plan: Any, costs: costs_lib.CostModel) -> LockstepTime:
+def plan_step_s(
+  graph: graph_lib.OpGraph, plan: Any, costs: costs_lib.CostModel, pack_max_bytes: int | None = None
+) -> LockstepTime:
   """`program_step_s` for the groups `HybridProgram.build` makes from `plan` (a planner Plan)."""
   from jaxhybrid import program as program_lib
 
   order = program_lib.plan_order(plan.schedule)
   slots = program_lib.slots_from_schedule(graph, plan.assignment, plan.microbatches, order or None)
-  return program_step_s(graph, program_lib.group_slots(graph, slots), plan.assignment, costs)
+  return program_step_s(graph, program_lib.group_slots(graph, slots), plan.assignment, costs, pack_max_bytes)
 
 
 def choose(graph: graph_lib.OpGraph, plans: Sequence[Any], costs: costs_lib.CostModel) -> tuple[Any, list[float]]:

@@ -231,6 +231,52 @@ def group_slots(graph: graph_lib.OpGraph, slots: list[dict[int, Task]]) -> list[
   return groups
 
 
+# One message's fixed cost dominates small tensors on slow links (gloo over TCP: ~1 ms), while
+# packing copies the payload once more (a few GB/s on one CPU core). Below this size, a group's
+# transfers that go the same way travel together. Not in the paper (its transfers are single
+# tensors over NVLink); `HybridProgram.build(pack_max_bytes=...)` overrides it.
+DEFAULT_PACK_MAX_BYTES = 1 << 20
+
+
+def aval_nbytes(aval: Any) -> int:
+  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+class Message(NamedTuple):
+  """One ppermute after a group: every source d sends `payloads[d]` to device d + shift (mod M)."""
+
+  shift: int
+  dtype: Any
+  payloads: dict[int, list[tuple[Any, int]]]  # source device -> (var, micro-batch) keys
+
+
+def group_messages(
+  graph: graph_lib.OpGraph,
+  tasks: Sequence[Task],
+  consumers: dict[Any, set[int]],
+  devices: int,
+  pack_max_bytes: int,
+) -> list[Message]:
+  """The messages that carry a group's transfers.
+
+  Every value a task of the group makes and a device other than its maker reads is one transfer.
+  Transfers of at least `pack_max_bytes` are a message each; the smaller ones are packed, one
+  message per (shift, dtype): all sources send at once (one ppermute with a cyclic-shift
+  permutation), each its own values concatenated.
+  """
+  alone: list[Message] = []
+  packed: dict[tuple[int, Any], dict[int, list[tuple[Any, int]]]] = {}
+  for t in tasks:
+    for v in graph.nodes[t.node].outvars:
+      for dst in sorted(consumers.get(v, set()) - {t.device}):
+        shift, key = (dst - t.device) % devices, (v, t.microbatch)
+        if aval_nbytes(v.aval) >= pack_max_bytes:
+          alone.append(Message(shift=shift, dtype=np.dtype(v.aval.dtype), payloads={t.device: [key]}))
+        else:
+          packed.setdefault((shift, np.dtype(v.aval.dtype)), {}).setdefault(t.device, []).append(key)
+  return alone + [Message(shift=s, dtype=dt, payloads=p) for (s, dt), p in packed.items()]
+
+
 # ---- the program ------------------------------------------------------------------------------
 
 class TrainState(NamedTuple):
@@ -263,6 +309,9 @@ class HybridProgram:
   remat: frozenset[int]
   # Replay convolutions in the canonical layout (see jaxhybrid/convs.py); on for CPU meshes.
   canonical_convs: bool = False
+  # Transfers of one group smaller than this many bytes travel packed, one ppermute per direction
+  # (see `group_messages`); 0 sends every tensor on its own.
+  pack_max_bytes: int = 0
   _step: Callable | None = None
 
   # ---- construction ---------------------------------------------------------------------------
@@ -280,6 +329,7 @@ class HybridProgram:
     per_example: Sequence[bool] | None = None,
     remat: Sequence[str] = (),
     canonical_convs: bool | None = None,
+    pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
   ) -> HybridProgram:
     """Builds the program.
 
@@ -298,6 +348,8 @@ class HybridProgram:
         (`jaxhybrid.convs`). XLA:CPU leaves convolutions inside conditional branches in the
         layout autodiff wrote, which runs their gradients ~6x slower; None = on when the mesh's
         devices are CPUs.
+      pack_max_bytes: a group's transfers below this size share one ppermute per direction
+        (`group_messages`); 0 sends each on its own.
 
     Raises:
       ValueError: if the assignment does not fit the graph or the mesh.
@@ -338,6 +390,7 @@ class HybridProgram:
       canonical_convs=(
         mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
       ),
+      pack_max_bytes=int(pack_max_bytes),
     )
     return prog
 
@@ -552,17 +605,43 @@ class HybridProgram:
         outs = lax.switch(me, branches, ops)
       for key, o in zip(out_keys, outs):
         env[key] = o
-      # Transfers: values made in this slot that other devices read, outside any branch.
-      for t in tasks:
-        for v in g.nodes[t.node].outvars:
-          for dst in sorted(consumers.get(v, set()) - {t.device}):
-            x = env[(v, t.microbatch)]
-            recv = lax.ppermute(x, MODEL, perm=[(t.device, dst)])
-            env[(v, t.microbatch)] = jnp.where(me == dst, recv, x)
+      # Transfers: values made in this group that other devices read, outside any branch.
+      for msg in group_messages(g, tasks, consumers, self.layout.devices, self.pack_max_bytes):
+        self._send(env, msg, me)
 
     loss_var = jaxpr.outvars[0]
     total = sum(env[(loss_var, m)] for m in range(k)) / k
     return total
+
+  def _send(self, env: dict[tuple[Any, int], jax.Array], msg: Message, me: jax.Array) -> None:
+    """Runs one message: ONE ppermute carrying every payload of `msg`, then the receivers adopt it.
+
+    A single payload moves as it is. Several are flattened and concatenated per source device
+    (zero-padded to the longest source), the device's own buffer is picked by `me`, and each
+    receiver slices its payloads back out at static offsets.
+    """
+    perm = [(src, (src + msg.shift) % self.layout.devices) for src in sorted(msg.payloads)]
+    if sum(len(keys) for keys in msg.payloads.values()) == 1:
+      (src, [key]), = msg.payloads.items()
+      x = env[key]
+      recv = lax.ppermute(x, MODEL, perm=perm)
+      env[key] = jnp.where(me == perm[0][1], recv, x)
+      return
+    flat = {src: [env[key].reshape(-1) for key in keys] for src, keys in msg.payloads.items()}
+    length = max(sum(x.size for x in xs) for xs in flat.values())
+    buf = None
+    for src, xs in sorted(flat.items()):
+      used = sum(x.size for x in xs)
+      part = jnp.concatenate(xs + ([jnp.zeros((length - used,), msg.dtype)] if used < length else []))
+      buf = part if buf is None else jnp.where(me == src, part, buf)
+    recv = lax.ppermute(buf, MODEL, perm=perm)
+    for src, keys in msg.payloads.items():
+      dst, off = (src + msg.shift) % self.layout.devices, 0
+      for key in keys:
+        x = env[key]
+        seg = lax.slice(recv, (off,), (off + x.size,)).reshape(x.shape)
+        env[key] = jnp.where(me == dst, seg, x)
+        off += x.size
 
   @property
   def per_worker_batch(self) -> int:

@@ -50,7 +50,7 @@ def test_towers_on_two_devices_pay_the_busiest_device_and_each_transfer_twice():
   assign = [0 if n.name.startswith("a") else 1 for n in g.nodes]
   groups = program_lib.group_slots(g, program_lib.slots_from_schedule(g, assign, 1))
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
-  t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link))
+  t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=0)
   # By hand from the groups: busiest device per group, and every cross-device output.
   want_compute = sum(
     max(sum(0.01 for x in grp if x.device == d) for d in {x.device for x in grp}) for grp in groups
@@ -103,3 +103,29 @@ def test_choose_prefers_fewer_transfers_when_the_link_is_slow():
   assert best is single and times[1] < times[0]
   best, _ = lockstep.choose(g, [split, single], FixedCosts(0.01, costs_lib.Link(alpha_s=0.0, bandwidth_bytes_s=1e15)))
   assert best is split
+
+
+def test_packed_messages_pay_one_link_time_for_their_longest_source():
+  model = toy.Exchange(rngs=nnx.Rngs(0))
+  batch = toy.regression_batch(8)
+  spec, _ = microbatch_spec(batch, 8, 8)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.mse_nnx)
+  g = graph_lib.trace_function(pure, p, s, spec)
+  assign = [int(n.name.split("/")[1]) % 2 for n in g.nodes]
+  # Price the group of the four first layers alone (towers 0, 2 on device 0; 1, 3 on device 1).
+  groups = [[program_lib.Task(n.id, 0, assign[n.id]) for n in g.nodes if n.name.startswith("first")]]
+  link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e6)
+  single = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=0)
+  packed = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=1 << 20)
+  assert packed.compute_s == single.compute_s
+  # By hand from the edges: every (tensor, reading device) pair that leaves its maker's device.
+  out: dict[int, set] = {0: set(), 1: set()}
+  for e in g.edges:
+    if g.nodes[e.src].name.startswith("first") and assign[e.src] != assign[e.dst]:
+      out[assign[e.src]].update(e.vars)
+  nbytes = {d: sum(np.prod(v.aval.shape) * 4 for v in vs) for d, vs in out.items()}
+  n = len(out[0]) + len(out[1])
+  assert n >= 4 and out[0] and out[1]
+  assert single.transfers == n and packed.transfers == 1  # one message, both directions
+  assert math.isclose(single.transfer_s, n * 2 * (1e-3 + 256 / 1e6))
+  assert math.isclose(packed.transfer_s, 2 * (1e-3 + max(nbytes.values()) / 1e6))

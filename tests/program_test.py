@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -182,3 +184,34 @@ def test_noise_scale_inputs_are_worker_and_global_gradient_norms():
   mean = [(a + b) / 2 for a, b in zip(*gw)]
   np.testing.assert_allclose(float(metrics["grad_sq_norm"]), sq(mean), rtol=1e-5)
   assert np.isfinite(float(metrics["noise_trace_sigma"]))
+
+
+def _exchange_tower(node):
+  return int(node.name.split("/")[1])
+
+
+@pytest.mark.parametrize("mesh_spec,k", [("1x2", 2), ("2x4", 1)])
+def test_packed_transfers_match_reference_and_use_fewer_permutes(mesh_spec, k):
+  """Neighbouring towers exchange activations: several tensors, both ways, several shifts."""
+  model = toy.Exchange(rngs=nnx.Rngs(4))
+  batch = toy.regression_batch(16, seed=2)
+  opt = optax.adam(1e-2)
+  M = mesh_lib.parse(mesh_spec).model
+  prog, p, s, pure = build(model, toy.mse_nnx, batch, mesh_spec, lambda n: _exchange_tower(n) % M, k, opt)
+  consumers = {}
+  for n in prog.graph.nodes:
+    for v in n.invars:
+      consumers.setdefault(v, set()).add(prog.assignment[n.id])
+  messages = [m for grp in prog.groups for m in program_lib.group_messages(prog.graph, grp, consumers, M, prog.pack_max_bytes)]
+  assert any(len(m.payloads) > 1 for m in messages), "some message should carry several sources"
+  assert any(len(keys) > 1 for m in messages for keys in m.payloads.values())
+  if M == 4:
+    assert len({m.shift for m in messages}) >= 2
+  assert_matches_reference(prog, p, s, pure, batch, opt)
+
+  ts = prog.init_state(jax.tree.leaves(p))
+  unpacked = dataclasses.replace(prog, pack_max_bytes=0, _step=None)
+  n_packed = prog.lower(ts, batch).as_text().count("collective_permute")
+  n_single = unpacked.lower(ts, batch).as_text().count("collective_permute")
+  # One ppermute per message forward and one (its transpose) backward.
+  assert n_packed == 2 * len(messages) < n_single

@@ -113,3 +113,15 @@ def regression_batch(batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     "x": rng.normal(size=(batch_size, DIM)).astype(np.float32),
     "y": rng.normal(size=(batch_size, 4)).astype(np.float32),
   }
+
+
+class Exchange(nnx.Module):
+  """Four towers whose second layers read their neighbours' first layers: all-way transfers."""
+
+  def __init__(self, width: int = 8, *, rngs: nnx.Rngs):
+    self.first = nnx.List([nnx.Linear(DIM, width, rngs=rngs) for _ in range(4)])
+    self.second = nnx.List([nnx.Linear(width, 4, rngs=rngs) for _ in range(4)])
+
+  def __call__(self, x):
+    h = [jax.nn.relu(f(x)) for f in self.first]
+    return sum(s(h[i] * h[(i + 1) % 4] + h[(i + 2) % 4]) for i, s in enumerate(self.second))
