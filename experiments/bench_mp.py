@@ -28,7 +28,6 @@ Step times are medians over --steps timed steps after --warmup steps.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import time

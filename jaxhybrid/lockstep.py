@@ -28,6 +28,7 @@ from typing import Any
 
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
+from jaxhybrid import structure as structure_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,10 +68,8 @@ def program_step_s(
   Returns:
     The predicted compute, transfer and total step time.
   """
-  from jaxhybrid import program as program_lib
-
   if pack_max_bytes is None:
-    pack_max_bytes = program_lib.DEFAULT_PACK_MAX_BYTES
+    pack_max_bytes = structure_lib.DEFAULT_PACK_MAX_BYTES
   devices = max(assignment, default=0) + 1
   consumers: dict[Any, set[int]] = {}
   for n in graph.nodes:
@@ -84,8 +83,8 @@ def program_step_s(
     for t in tasks:
       per_device[t.device] = per_device.get(t.device, 0.0) + node_s[t.node]
     compute += max(per_device.values(), default=0.0)
-    for msg in program_lib.group_messages(graph, tasks, consumers, devices, pack_max_bytes):
-      nbytes = max(sum(program_lib.aval_nbytes(v.aval) for v, _ in keys) for keys in msg.payloads.values())
+    for msg in structure_lib.group_messages(graph, tasks, consumers, devices, pack_max_bytes):
+      nbytes = max(sum(structure_lib.aval_nbytes(v.aval) for v, _ in keys) for keys in msg.payloads.values())
       # The ppermute ends when its slowest pair does; forward activations, backward gradients.
       transfer += 2 * max(
         costs.transfer_time_s(nbytes, src, (src + msg.shift) % devices) for src in msg.payloads
@@ -98,11 +97,9 @@ def plan_step_s(
   graph: graph_lib.OpGraph, plan: Any, costs: costs_lib.CostModel, pack_max_bytes: int | None = None
 ) -> LockstepTime:
   """`program_step_s` for the groups `HybridProgram.build` makes from `plan` (a planner Plan)."""
-  from jaxhybrid import program as program_lib
-
-  order = program_lib.plan_order(plan.schedule)
-  slots = program_lib.slots_from_schedule(graph, plan.assignment, plan.microbatches, order or None)
-  return program_step_s(graph, program_lib.group_slots(graph, slots), plan.assignment, costs, pack_max_bytes)
+  order = structure_lib.plan_order(plan.schedule)
+  slots = structure_lib.slots_from_schedule(graph, plan.assignment, plan.microbatches, order or None)
+  return program_step_s(graph, structure_lib.group_slots(graph, slots), plan.assignment, costs, pack_max_bytes)
 
 
 def choose(graph: graph_lib.OpGraph, plans: Sequence[Any], costs: costs_lib.CostModel) -> tuple[Any, list[float]]:

@@ -3,7 +3,8 @@
 One micro-batch: the exact decomposition at cut vertices (decompose.py). k > 1 micro-batches
 overlap across those cuts, so the whole graph is planned at once:
   1. lower bound: bounds.lower_bound (critical path, per-device fill/drain, energetic reasoning),
-     raised by the placement relaxation (relax.py);
+     raised by enumerating the devices of the first nodes (bounds.prefix_bound) and by the
+     placement relaxation (relax.py);
   2. upper bound: the heuristics, then simulated annealing from the best of them and of the
      relaxation's placement (`search_chains` runs), then the window descent
      (heuristics.window_search), stopping once within `gap` of the bound;
@@ -115,6 +116,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   k, caps = opts.microbatches, opts.caps()
   _check_memory(problem, k, caps)
   lower = bounds_lib.lower_bound(problem, k)
+  if opts.method == "milp" and k > 1 and problem.devices > 1:
+    lower = bounds_lib.prefix_bound(problem, k, lower, opts.prefix_assignments)
 
   # Heuristics (baselines, warm start, fallback).
   found: dict[str, heur.Candidate] = {}
