@@ -5,16 +5,22 @@ sum of p_i; head_i / tail_i the longest compute-only paths before i starts and a
 bound here ignores transfers except through `fastest`, the cheapest delay of an edge between two
 distinct devices, which any edge crossing devices pays (`_earliest` weighs it against what
 sharing a device costs: the micro-batch copies of both ends queue on that device).
+`prefix_bound` enumerates the devices of the first nodes, where the placement then fixes the link
+delays exactly (PAPER.md, "DLPlacer": the delay of an edge depends on its ends' devices).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
+import time
 from typing import Mapping, Sequence
 
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
+
+log = logging.getLogger(__name__)
 
 
 def _fastest(problem: Problem, e: int) -> float:
@@ -93,10 +99,24 @@ def _earliest(
   for every predecessor j. Reversed, the same holds with successors and micro-batches counted from
   the last. When both ends of an edge are in `fixed` (node -> device), the minimum is replaced by
   the branch that placement takes: the sharing term, or the link between the two given devices.
+  Moreover, with G the fixed ancestors of a fixed node i on i's device, every (j, c') with j in G
+  and c' <= c precedes (i, c) on that device, as do (i, 0..c-1), and none starts before est(j, 0):
+
+    est(i, c) >= min_{j in G} est(j, 0) + (c + 1) sum_{j in G} p_j + c p_i
+
+  (reversed: the fixed descendants).
   """
   n, p = problem.num_nodes, problem.compute_s
   fixed = fixed or {}
   nbrs = problem.successors() if reverse else problem.predecessors()
+  group: dict[int, list[int]] = {}  # fixed node -> its fixed ancestors (descendants) on its device
+  if fixed:
+    anc = [0] * n
+    for s, d in sorted(problem.edges, key=lambda e: e[1]):
+      anc[d] |= anc[s] | (1 << s)
+    for i, d in fixed.items():
+      group[i] = [j for j, dj in fixed.items() if dj == d and j != i
+                  and ((anc[j] >> i) & 1 if reverse else (anc[i] >> j) & 1)]
   links = [_fastest(problem, e) if problem.devices > 1 else float("inf")
            for e in range(len(problem.edges))]
   order = range(n - 1, -1, -1) if reverse else range(n)
@@ -112,6 +132,9 @@ def _earliest(
           v = max(v, after, share if a == b else after + problem.transfer_s[e][a][b])
         else:
           v = max(v, after, min(after + links[e], share))
+      g = group.get(i)
+      if g:
+        v = max(v, min(est[j][0] for j in g) + (r + 1) * sum(p[j] for j in g) + r * p[i])
       est[i][r] = v
   if reverse:  # back to micro-batch numbering: the last micro-batch is the first from the end
     est = [row[::-1] for row in est]
@@ -236,7 +259,7 @@ def prefix_length(problem: Problem, max_assignments: int) -> int:
 
 
 def _fixed_bound(problem: Problem, k: int, fixed: Mapping[int, int], anc: Sequence[int]) -> float:
-  """A lower bound valid for the placements that agree with `fixed` (a topological prefix).
+  """A lower bound valid for the placements that agree with `fixed` (any set of nodes).
 
   The largest of: the path through each task with the placement-aware earliest starts
   (`_earliest` with `fixed`); for two fixed nodes u and w on one device d with w = u or w a
@@ -260,23 +283,32 @@ def _fixed_bound(problem: Problem, k: int, fixed: Mapping[int, int], anc: Sequen
 
 
 def prefix_bound(
-  problem: Problem, microbatches: int, start: float = 0.0, max_assignments: int = 1024
+  problem: Problem,
+  microbatches: int,
+  start: float = 0.0,
+  max_assignments: int = 1024,
+  time_limit_s: float | None = None,
 ) -> float:
   """A lower bound from enumerating the devices of the first L nodes (M^L <= max_assignments).
 
   Every placement puts the nodes 0..L-1 (a topological prefix: their predecessors are among them)
   on some devices; for each of the M^L assignments `_fixed_bound` is valid for the placements
   that extend it, so the least of them is valid for every placement. Knowing the prefix's devices
-  turns the link-or-share choices of `_earliest` on the prefix's edges into facts, which is where
-  a pipeline fills: on Inception-V3 (M = 4, k = 4) the stem's five nodes raise the bound from
-  0.3589 s to 0.3701 s. The enumeration stops early once an assignment's bound is at most `start`
-  (it can then not raise it).
+  turns the link-or-share choices of `_earliest` on the prefix's edges into facts and serialises
+  the prefix nodes that share a device, which is where a pipeline fills: on Inception-V3
+  (M = 4, k = 4, DGX-1 costs) the stem's five nodes raise the bound from 0.3589 s to 0.3716 s in
+  about 1.6 s. Measured there, longer prefixes (6, 7 nodes) and a best-first branch and bound on
+  the same per-assignment bound (20 s: 0.3725 s) add little: the bound of a placement rises
+  mostly once the late blocks' devices are known. The enumeration stops early once an
+  assignment's bound is at most `start` (it can then not raise it), and gives up, returning
+  `start`, when `time_limit_s` runs out (the least over part of the assignments proves nothing).
 
   Args:
     problem: the problem.
     microbatches: k.
     start: a known valid lower bound (returned when the enumeration cannot beat it).
     max_assignments: most prefix assignments evaluated (sets L); below M nothing is enumerated.
+    time_limit_s: wall-clock budget of the enumeration, or None for no limit.
 
   Returns:
     The bound (at least `start`).
@@ -288,9 +320,15 @@ def prefix_bound(
   anc = [0] * problem.num_nodes
   for s, d in sorted(problem.edges, key=lambda e: e[1]):
     anc[d] |= anc[s] | (1 << s)
+  t0 = time.monotonic()
   least = float("inf")
   for combo in itertools.product(range(M), repeat=length):
+    if time_limit_s is not None and time.monotonic() - t0 > time_limit_s:
+      log.info("prefix bound: %d nodes, out of time after %.1fs; not used", length, time_limit_s)
+      return start
     least = min(least, _fixed_bound(problem, k, dict(enumerate(combo)), anc))
     if least <= start:
       return start
+  log.debug("prefix bound: %d nodes, %.6g (from %.6g) in %.2fs", length, least, start,
+            time.monotonic() - t0)
   return max(start, least)

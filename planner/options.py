@@ -85,8 +85,10 @@ class PlannerOptions:
   relaxation_share: float = 0.15
   # Most device assignments of the first nodes enumerated for the k > 1 lower bound
   # (bounds.prefix_bound; M^L <= this sets the prefix length L, 0 = off). About 1.6 ms each on
-  # Inception-V3: 1024 (M = 4, the five stem nodes) raise its M = 4, k = 4 bound by 3 % in 1.6 s.
+  # Inception-V3: 1024 (M = 4, the five stem nodes) raise its M = 4, k = 4 bound by 3.5 % in 1.6 s.
   prefix_assignments: int = 1024
+  # Share of the time limit the prefix enumeration may take; past it the bound is not used.
+  prefix_share: float = 0.1
 
   def __post_init__(self):
     if not isinstance(self.devices, int) or self.devices < 1:
@@ -104,7 +106,7 @@ class PlannerOptions:
     if self.method not in METHODS:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
-                 "relaxation_share"):
+                 "relaxation_share", "prefix_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:

@@ -117,7 +117,9 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   _check_memory(problem, k, caps)
   lower = bounds_lib.lower_bound(problem, k)
   if opts.method == "milp" and k > 1 and problem.devices > 1:
-    lower = bounds_lib.prefix_bound(problem, k, lower, opts.prefix_assignments)
+    lower = bounds_lib.prefix_bound(
+      problem, k, lower, opts.prefix_assignments, opts.time_limit_s * opts.prefix_share
+    )
 
   # Heuristics (baselines, warm start, fallback).
   found: dict[str, heur.Candidate] = {}
