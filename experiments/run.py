@@ -36,6 +36,7 @@ _SET = flags.DEFINE_multi_string("set", [], "Model config override key=value (re
 _PLAN = flags.DEFINE_string("plan", None, "Apply this plan.json instead of planning.")
 _OPTIMIZER = flags.DEFINE_string("optimizer", "adam", "adam | sgd | adagrad.")
 _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default: 3e-3 on tiny presets, else 1e-3).")
+_CLIP = flags.DEFINE_float("clip_norm", 0.0, "Clip gradients to this global norm over all devices (0: off).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint every K steps (0: at the end only).")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
 _COORD = flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
@@ -57,7 +58,7 @@ def main(argv):
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
-      plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value,
+      plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,
       checkpoint_every=_CKPT_EVERY.value, progress=_PROGRESS.value,
       coordinator_address=_COORD.value, num_processes=_NPROC.value, process_id=_PID.value,
     )

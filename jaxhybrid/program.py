@@ -18,7 +18,8 @@ of a flat `[model, max_size]` buffer (one per dtype) sharded over 'model'; a bra
 leaves from its own row at static offsets. A leaf read on several devices is *shared*: replicated,
 its gradient summed over 'model'. Optimizer state follows its parameters. Elementwise optimizers
 (SGD, Adam, AdaGrad, ...) therefore act on exactly the right values; transforms that need a
-global view of the parameters (global-norm clipping) would see only one device's share.
+global view of the parameters would see only one device's share: for global-norm clipping use
+`jaxhybrid.optim.clip_by_global_norm`, which reduces over 'model'.
 
 The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.structure.
 """

@@ -38,7 +38,7 @@ OPTIMIZERS = ("adam", "sgd", "adagrad")
 DATA_KINDS = ("synthetic", "generated")  # or a path (see `make_batch_fn`)
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
-                     "optimizer", "learning_rate")
+                     "optimizer", "learning_rate", "clip_norm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +81,8 @@ class RunConfig:
   # DEFAULT_LEARNING_RATE otherwise.
   optimizer: str = "adam"
   learning_rate: float | None = None
+  # Clip gradients to this global L2 norm over all devices' parameters (jaxhybrid.optim); 0: off.
+  clip_norm: float = 0.0
   # Checkpoint every this many steps (0: only at the end).
   checkpoint_every: int = 10
   # Draw a progress bar.
@@ -290,6 +292,8 @@ def validate(config: RunConfig) -> None:
       f"--hardware={config.hardware!r} is unknown: use one of {', '.join(hardware.names())}")
   if config.optimizer not in OPTIMIZERS:
     raise errors.UsageError(f"--optimizer={config.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
+  if config.clip_norm < 0:
+    raise errors.UsageError(f"--clip_norm={config.clip_norm}: use a positive norm, or 0 for no clipping")
   if config.microbatches < 1:
     raise errors.UsageError(f"--microbatches={config.microbatches}: use 1 or more")
   if config.batch is not None and (config.batch < 1 or config.batch % config.microbatches):
@@ -336,7 +340,9 @@ def _prepare_workdir(config: RunConfig) -> None:
     except (OSError, ValueError):
       raise errors.UsageError(f"{saved} is unreadable: repair it or choose another --workdir") from None
     new = _config_json(config)
-    diff = [k for k in TRAJECTORY_FIELDS if old.get(k) != new.get(k)]
+    # A field newer than the saved run had its default there.
+    defaults = _config_json(RunConfig(workdir=config.workdir))
+    diff = [k for k in TRAJECTORY_FIELDS if old.get(k, defaults.get(k)) != new.get(k)]
     if diff:
       k = diff[0]
       raise errors.UsageError(
@@ -356,7 +362,10 @@ def _config_json(config: RunConfig) -> dict[str, Any]:
 def _optimizer(config: RunConfig):
   import optax
 
-  return getattr(optax, config.optimizer)(config.learning_rate)
+  from jaxhybrid import optim
+
+  opt = getattr(optax, config.optimizer)(config.learning_rate)
+  return optax.chain(optim.clip_by_global_norm(config.clip_norm), opt) if config.clip_norm else opt
 
 
 def build(config: RunConfig):

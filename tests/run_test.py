@@ -78,6 +78,7 @@ BAD_CONFIGS = [
   (dict(planner="greedy"), "--planner='greedy' is unknown"),
   (dict(batch=5), "not divisible by --microbatches=2"),
   (dict(optimizer="lion"), "--optimizer='lion' is unknown"),
+  (dict(clip_norm=-1.0), "--clip_norm=-1.0: use a positive norm"),
   (dict(overrides=(("no_such_field", 1),)), "no_such_field"),
   (dict(mesh="8x2"), "needs 16 devices"),
 ]
