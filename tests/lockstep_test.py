@@ -129,3 +129,25 @@ def test_packed_messages_pay_one_link_time_for_their_longest_source():
   assert single.transfers == n and packed.transfers == 1  # one message, both directions
   assert math.isclose(single.transfer_s, n * 2 * (1e-3 + 256 / 1e6))
   assert math.isclose(packed.transfer_s, 2 * (1e-3 + max(nbytes.values()) / 1e6))
+
+
+def test_parameter_passes_price_the_busiest_device_linearly_in_bytes():
+  g = _towers(2)
+  assign = [0 if n.name.startswith("a") else 1 for n in g.nodes]
+  groups = program_lib.group_slots(g, program_lib.slots_from_schedule(g, assign, 2))
+  link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
+  pc = lockstep.ParamCosts(update_s_per_byte=1e-6, add_s_per_byte=1e-7)
+  base = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link))
+  t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), param_costs=pc, microbatches=2)
+  per_dev = lockstep.param_bytes_per_device(g, assign)
+  total = sum(np.prod(a.shape) * 4 for a in g.param_avals)
+  assert sum(per_dev) == total and all(b > 0 for b in per_dev)  # the towers share nothing
+  assert math.isclose(t.param_s, max(per_dev) * (1e-6 + 1e-7)) and base.param_s == 0.0
+  assert math.isclose(t.step_s, base.step_s + t.param_s)
+
+
+def test_measured_parameter_costs_are_positive_and_adam_costs_more_than_an_add():
+  import optax
+
+  pc = lockstep.measure_param_costs(optax.adam(1e-3), nbytes=4 << 20, repeats=5)
+  assert pc.add_s_per_byte > 0 and pc.update_s_per_byte > pc.add_s_per_byte
