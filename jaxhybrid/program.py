@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -367,7 +368,7 @@ class HybridProgram:
       if nid not in node_fns:
         closed = g.node_jaxpr(g.nodes[nid])
         use = self.canonical_convs and convs.has_convs(closed.jaxpr)
-        f = convs.jaxpr_fn(closed) if use else g.node_fn(g.nodes[nid])
+        f = convs.jaxpr_fn(closed) if use else jex.core.jaxpr_as_fun(closed)
         node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
       return node_fns[nid]
 

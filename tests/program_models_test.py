@@ -27,17 +27,16 @@ STEPS = 3
 PER_CHUNK = 2  # examples per micro-batch
 
 
-# Tiny Inception's BatchNorm normalises 8 values per channel on 1x1 maps; with the default epsilon
-# (1e-3) a near-constant channel divides by ~0.03 and float rounding is amplified step to step
-# (step-3 losses of two correct float32 programs differ by ~1e-3). A larger epsilon keeps the
-# model well conditioned so the comparison tests the program, not the conditioning.
-_OVERRIDES = {"inception_v3": {"bn_epsilon": 0.1}}
-# Even so, tiny Inception trained by SGD at 1e-4 is chaotic in float32 over 3 steps: two plain-JAX
-# references that differ only in summation order (gradient of the mean over two chunks vs the
-# mean of per-chunk gradients, chunks reversed) end 2.4e-5 apart in a stem weight, ~10 % of its
-# 3-step update, exactly as far as the hybrid program ends from either. At 1e-5 both gaps fall to
-# ~1e-9 beyond rtol 1e-5 (within the atol), while the largest update is still 4.5e-4 (225x atol).
-INCEPTION_LR = 1e-5
+# Tiny Inception's BatchNorm normalises 8 values per channel on small maps; with the default
+# epsilon (1e-3) a near-constant channel divides by ~0.03 and the loss surface is so curved that
+# float32 rounding explodes step to step. Measured (4x2 mesh, k=1, SGD 1e-5, epsilon 0.1): the
+# hybrid program and the reference differ by 1e-12 after step 1, 1e-9 after step 2 and 8e-6 in a
+# stem kernel after step 3; two plain-JAX references that differ only in summation order drift
+# apart the same way (2.4e-5 at SGD 1e-4). With epsilon 1.0 the same case at SGD 1e-2 ends with
+# every parameter within 1.2e-10 of the reference after 3 steps while the largest update is
+# 2.4e-3, so the comparison tests the program, not the conditioning.
+_OVERRIDES = {"inception_v3": {"bn_epsilon": 1.0}}
+INCEPTION_LR = 1e-2
 
 
 @functools.lru_cache(maxsize=None)
