@@ -18,8 +18,8 @@ plan's own `plan_predicted_speedup` is against k micro-batches run on one device
 slower than one full batch on a CPU), prediction_error = |pred - meas| / meas;
 predicted_program_speedup / prediction_error_program: the same with the plan priced as the
 program runs it (jaxhybrid.lockstep: group by group in lock step, transfers not overlapped, plus
-each device's optimizer update and gradient accumulation, timed per byte in the same process;
-the 1-device side adds the update of all parameters),
+each device's optimizer update and gradient accumulation and the conditionals' zero-fill, timed
+per byte in the same process; the 1-device side adds the update of all parameters),
 overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
 fast as plain jit), ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
 With --compare_unpacked: step_s_plan_unpacked (every transfer its own ppermute) and
@@ -188,11 +188,11 @@ def role_single(work: pathlib.Path, name: str) -> None:
     chosen = {}
   plan.save(work / f"plan_{name}.json")
   # The program runs the plan group by group in lock step (jaxhybrid.lockstep): price that too.
-  # Its per-step passes over the parameters (optimizer update, gradient accumulation) are
-  # priced from this run's measured per-byte times.
+  # Its per-step memory passes (optimizer update, gradient accumulation, the conditionals'
+  # zero-fill) are priced from this run's measured per-byte times.
   opt = optax.adam(1e-4)
-  pc = lockstep.measure_param_costs(opt)
-  prog_t = lockstep.plan_step_s(g, plan, cm, pack_max_bytes=_pack_max_bytes(), param_costs=pc)
+  pc = lockstep.measure_pass_costs(opt)
+  prog_t = lockstep.plan_step_s(g, plan, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc)
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work)).step_time_s(g_full)
@@ -207,8 +207,9 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "predicted_step_s": plan.predicted_step_s, "predicted_1dev_s": full_1dev_s,
     "plan_single_device_s": plan.single_device_s,
     "predicted_program_step_s": prog_t.step_s, "predicted_program_transfer_s": prog_t.transfer_s,
-    "predicted_program_param_s": prog_t.param_s, "predicted_1dev_update_s": update_1dev_s,
-    "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
+    "predicted_program_param_s": prog_t.param_s, "predicted_program_fill_s": prog_t.fill_s,
+    "predicted_1dev_update_s": update_1dev_s, "update_s_per_byte": pc.update_s_per_byte,
+    "add_s_per_byte": pc.add_s_per_byte, "fill_s_per_byte": pc.fill_s_per_byte,
     "predicted_program_speedup": (full_1dev_s + update_1dev_s) / prog_t.step_s,
     "program_groups": prog_t.groups,
     "program_transfers": prog_t.transfers, "pack_max_bytes": _pack_max_bytes(),

@@ -136,9 +136,9 @@ def test_parameter_passes_price_the_busiest_device_linearly_in_bytes():
   assign = [0 if n.name.startswith("a") else 1 for n in g.nodes]
   groups = program_lib.group_slots(g, program_lib.slots_from_schedule(g, assign, 2))
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
-  pc = lockstep.ParamCosts(update_s_per_byte=1e-6, add_s_per_byte=1e-7)
+  pc = lockstep.PassCosts(update_s_per_byte=1e-6, add_s_per_byte=1e-7)
   base = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link))
-  t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), param_costs=pc, microbatches=2)
+  t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pass_costs=pc, microbatches=2)
   per_dev = lockstep.param_bytes_per_device(g, assign)
   total = sum(np.prod(a.shape) * 4 for a in g.param_avals)
   assert sum(per_dev) == total and all(b > 0 for b in per_dev)  # the towers share nothing
@@ -149,5 +149,5 @@ def test_parameter_passes_price_the_busiest_device_linearly_in_bytes():
 def test_measured_parameter_costs_are_positive_and_adam_costs_more_than_an_add():
   import optax
 
-  pc = lockstep.measure_param_costs(optax.adam(1e-3), nbytes=4 << 20, repeats=5)
+  pc = lockstep.measure_pass_costs(optax.adam(1e-3), nbytes=4 << 20, repeats=5)
   assert pc.add_s_per_byte > 0 and pc.update_s_per_byte > pc.add_s_per_byte
