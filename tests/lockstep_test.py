@@ -151,3 +151,38 @@ def test_measured_parameter_costs_are_positive_and_adam_costs_more_than_an_add()
 
   pc = lockstep.measure_pass_costs(optax.adam(1e-3), nbytes=4 << 20, repeats=5)
   assert pc.add_s_per_byte > 0 and pc.update_s_per_byte > pc.add_s_per_byte
+
+
+def test_zero_fill_counts_the_other_devices_outputs_residuals_and_parameter_cotangents():
+  g = _towers(1)
+  first = {n.name.split("/")[0]: n for n in g.nodes if n.name.endswith("l1")}
+  a, b = first["a"], first["b"]
+  group = [program_lib.Task(a.id, 0, 0), program_lib.Task(b.id, 0, 1)]
+  fake = lambda nid: 1000 * (nid + 1)  # noqa: E731 (residual bytes per node, made up)
+  fill = lockstep.zero_fill_bytes(g, group, 2, fake)
+  out = lambda n: sum(int(np.prod(v.aval.shape)) * 4 for v in n.outvars)  # noqa: E731
+  params = lambda n: sum(int(np.prod(g.param_avals[i].shape)) * 4 for i in n.param_leaves)  # noqa: E731
+  # The batch input is read by both and gets no cotangent; each device's parameters are its own.
+  assert fill == {0: fake(b.id) + out(b) + params(b), 1: fake(a.id) + out(a) + params(a)}
+
+
+def test_residual_bytes_match_a_real_vjp():
+  import jax
+
+  g = _towers(1)
+  node = next(n for n in g.nodes if n.name.endswith("l1"))
+  rng = np.random.default_rng(0)
+  inputs = [np.asarray(rng.normal(size=v.aval.shape), v.aval.dtype) for v in node.invars]
+  kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
+  diff = [i for i, v in enumerate(node.invars) if kinds.get(v, (graph_lib.PARAM, 0))[0] == graph_lib.PARAM]
+  fn = g.node_fn(node)
+
+  def f(*d):
+    args = list(inputs)
+    for i, x in zip(diff, d):
+      args[i] = x
+    return fn(*args)
+
+  _, vjp_fn = jax.vjp(f, *[inputs[i] for i in diff])
+  want = sum(x.nbytes for x in jax.tree.leaves(vjp_fn))
+  assert lockstep.residual_bytes(g, node) == want > 0
