@@ -274,7 +274,12 @@ def plan_step_s(
   )
 
 
-def choose(graph: graph_lib.OpGraph, plans: Sequence[Any], costs: costs_lib.CostModel) -> tuple[Any, list[float]]:
+def choose(
+  graph: graph_lib.OpGraph,
+  plans: Sequence[Any],
+  costs: costs_lib.CostModel,
+  pass_costs: PassCosts | None = None,
+) -> tuple[Any, list[float]]:
   """The plan the program runs fastest in lock step (first on ties), and every plan's time.
 
   The MILP minimises the asynchronous schedule's makespan, which lets transfers overlap compute;
@@ -286,6 +291,6 @@ def choose(graph: graph_lib.OpGraph, plans: Sequence[Any], costs: costs_lib.Cost
   """
   if not plans:
     raise ValueError("choose() needs at least one plan")
-  times = [plan_step_s(graph, p, costs).step_s for p in plans]
+  times = [plan_step_s(graph, p, costs, pass_costs=pass_costs).step_s for p in plans]
   best = min(range(len(plans)), key=lambda i: (times[i], i))
   return plans[best], times
