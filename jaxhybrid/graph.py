@@ -11,9 +11,9 @@ later one. A module called twice becomes two nodes that share parameters.
 Each node keeps its equations, so a program can replay it (`OpGraph.node_fn`); this is how the
 hybrid program evaluates the forward node by node on different devices.
 
-Costs per node are of the forward pass (FLOPs counted exactly for `dot_general` and convolutions,
-an element count for the rest; a `scan` costs its body times its length); a cost model turns them
-into forward + backward time (see `jaxhybrid.costs`).
+Costs per node are of the forward pass, summed from `jaxhybrid.eqn_costs`; a cost model turns
+them into forward + backward time (see `jaxhybrid.costs`). NNX models are traced through
+`jaxhybrid.flax_adapters`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,143 +28,16 @@ import jax
 import jax.extend as jex
 import numpy as np
 
+from jaxhybrid.eqn_costs import EqnCost, aval_bytes, eqn_cost
+# The Flax adapters are part of this module's API (graph.nnx_pure_loss, ...).
+from jaxhybrid.flax_adapters import is_linen_module, is_nnx_module, nnx_pure_loss  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 ROOT = "<root>"  # key of equations outside any module scope (e.g. the loss reduction)
 
 # Kinds of the traced function's inputs.
 PARAM, STATE, BATCH, CONST = "param", "state", "batch", "const"
-
-# Primitives whose cost rule below is deliberate; any other primitive without a sub-jaxpr is
-# costed as one FLOP per output element and flagged opaque with a warning.
-_ELEMENTWISE_OK = frozenset("""
-  abs acos acosh add and asin asinh atan atan2 atanh broadcast_in_dim cbrt ceil clamp
-  concatenate convert_element_type copy copy_p cos cosh cumsum cumprod cummax cummin
-  custom_lin div dynamic_slice dynamic_update_slice eq erf erf_inv erfc exp exp2 expm1 floor
-  gather ge gt imag integer_pow iota is_finite le lgamma digamma log log1p logistic lt max min
-  mul ne neg nextafter not or pad pjit population_count pow real reduce_and reduce_max
-  reduce_min reduce_or reduce_prod reduce_sum reduce_precision rem reshape rev round rsqrt
-  scatter scatter-add scatter_add scatter-mul scatter-min scatter-max select_n sign sin sinh
-  slice sort sqrt square squeeze stop_gradient sub tan tanh transpose xor argmax argmin
-  shift_left shift_right_logical shift_right_arithmetic split top_k random_bits random_seed
-  random_wrap random_unwrap threefry2x32 erf_inv select_and_scatter_add reduce_window_sum
-  reduce_window_max reduce_window_min reduce_window argsort mul_add polygamma igamma
-  igammac random_gamma_grad bessel_i0e bessel_i1e pcast device_put optimization_barrier
-  convert clz
-""".split())
-
-
-# Primitives that read only as many operand elements as they output.
-_READS_OUTPUT_ONLY = frozenset({"gather", "dynamic_slice", "slice"})
-
-
-def _aval_bytes(aval: Any) -> int:
-  shape = getattr(aval, "shape", None)
-  dtype = getattr(aval, "dtype", None)
-  if shape is None or dtype is None:
-    return 0
-  try:
-    itemsize = np.dtype(dtype).itemsize
-  except TypeError:  # extended dtypes (PRNG keys)
-    itemsize = 8
-  return int(math.prod(shape)) * itemsize
-
-
-def _aval_size(aval: Any) -> int:
-  shape = getattr(aval, "shape", None)
-  return int(math.prod(shape)) if shape is not None else 0
-
-
-def _var_bytes(v: Any) -> int:
-  return _aval_bytes(v.aval)
-
-
-@dataclasses.dataclass(frozen=True)
-class EqnCost:
-  """Forward cost of one equation (recursively through sub-jaxprs)."""
-
-  flops: float
-  bytes_accessed: float
-  opaque: tuple[str, ...] = ()
-
-  def __add__(self, other: EqnCost) -> EqnCost:
-    return EqnCost(
-      self.flops + other.flops,
-      self.bytes_accessed + other.bytes_accessed,
-      self.opaque + other.opaque,
-    )
-
-  def scale(self, k: float) -> EqnCost:
-    return EqnCost(self.flops * k, self.bytes_accessed * k, self.opaque)
-
-
-def dot_general_flops(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers) -> int:
-  """FLOPs of a `dot_general`: 2 x (batch x M x N x K), a multiply and an add per term."""
-  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
-  rhs_free = [d for i, d in enumerate(rhs_shape) if i not in rhs_contract and i not in rhs_batch]
-  return 2 * int(math.prod(lhs_shape)) * int(math.prod(rhs_free))
-
-
-def conv_flops(out_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers) -> int:
-  """FLOPs of a convolution: 2 x output elements x (kernel elements per output feature)."""
-  rhs_spec = dimension_numbers.rhs_spec  # (out feature dim, in feature dim, spatial...)
-  out_features = rhs_shape[rhs_spec[0]]
-  return 2 * int(math.prod(out_shape)) * (int(math.prod(rhs_shape)) // max(out_features, 1))
-
-
-def _jaxpr_cost(jaxpr: Any) -> EqnCost:
-  total = EqnCost(0.0, 0.0)
-  for eqn in jaxpr.eqns:
-    total = total + eqn_cost(eqn)
-  return total
-
-
-def _inner_jaxpr(j: Any) -> Any:
-  return j.jaxpr if hasattr(j, "jaxpr") and not hasattr(j, "eqns") else j
-
-
-def eqn_cost(eqn: Any) -> EqnCost:
-  """Forward FLOPs and bytes of one equation; recurses into nested jaxprs."""
-  name = eqn.primitive.name
-  in_bytes = sum(_aval_bytes(v.aval) for v in eqn.invars)
-  out_bytes = sum(_aval_bytes(v.aval) for v in eqn.outvars)
-  io = float(in_bytes + out_bytes)
-  if name in _READS_OUTPUT_ONLY:
-    # An embedding lookup or a slice reads only the elements it returns (and its indices), not
-    # the whole operand.
-    io = float(2 * out_bytes + sum(_aval_bytes(v.aval) for v in eqn.invars[1:]))
-  if name == "dot_general":
-    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
-    return EqnCost(float(dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])), io)
-  if name == "conv_general_dilated":
-    rhs = eqn.invars[1].aval
-    out = eqn.outvars[0].aval
-    flops = conv_flops(out.shape, rhs.shape, eqn.params["dimension_numbers"])
-    return EqnCost(float(flops // max(eqn.params.get("batch_group_count", 1), 1)), io)
-  if name == "scan":
-    body = _jaxpr_cost(_inner_jaxpr(eqn.params["jaxpr"]))
-    return body.scale(eqn.params["length"])
-  if name == "while":
-    body = _jaxpr_cost(_inner_jaxpr(eqn.params["body_jaxpr"]))
-    log.warning("while loop: trip count unknown, its body is counted once")
-    return body + EqnCost(0.0, 0.0, ("while",))
-  if name == "cond":
-    branches = [_jaxpr_cost(_inner_jaxpr(b)) for b in eqn.params["branches"]]
-    return max(branches, key=lambda c: c.flops)
-  subs = list(jex.core.jaxprs_in_params(eqn.params))
-  if subs:
-    total = EqnCost(0.0, 0.0)
-    for sub in subs:
-      total = total + _jaxpr_cost(_inner_jaxpr(sub))
-    return total
-  if name in _ELEMENTWISE_OK:
-    n = max(sum(_aval_size(v.aval) for v in eqn.outvars), 1)
-    if name.startswith("reduce") or name in ("argmax", "argmin", "cumsum", "sort"):
-      n = max(sum(_aval_size(v.aval) for v in eqn.invars), 1)
-    return EqnCost(float(n), io)
-  n = max(sum(_aval_size(v.aval) for v in eqn.outvars), 1)
-  return EqnCost(float(n), io, (name,))
-
 
 @dataclasses.dataclass(eq=False)
 class Node:
@@ -257,7 +129,7 @@ class OpGraph:
 
   @property
   def total_param_bytes(self) -> int:
-    return sum(_aval_bytes(a) for a in self.param_avals)
+    return sum(aval_bytes(a) for a in self.param_avals)
 
   def producers(self) -> dict[Any, int]:
     """Maps each variable produced by a node to that node's id."""
@@ -425,7 +297,7 @@ def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
     n.invars = ins
     leaves = sorted(param_index[v] for v in ins if v in param_index)
     n.param_leaves = tuple(leaves)
-    n.param_bytes = sum(_var_bytes(v) for v in ins if v in param_index)
+    n.param_bytes = sum(aval_bytes(v.aval) for v in ins if v in param_index)
     cost = EqnCost(0.0, 0.0)
     for e in n.eqns:
       cost = cost + eqn_cost(e)
@@ -445,7 +317,7 @@ def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
         if v in out_set or any(c != n.id for c in consumers.get(v, ())):
           outs.append(v)
     n.outvars = outs
-    n.out_bytes = sum(_var_bytes(v) for v in outs)
+    n.out_bytes = sum(aval_bytes(v.aval) for v in outs)
 
 
 def _edges(nodes: list[Node]) -> list[Edge]:
@@ -460,7 +332,7 @@ def _edges(nodes: list[Node]) -> list[Edge]:
       if p is not None:
         acc.setdefault((p, n.id), []).append(v)
   return [
-    Edge(src=s, dst=d, bytes=sum(_var_bytes(v) for v in vs), vars=tuple(vs))
+    Edge(src=s, dst=d, bytes=sum(aval_bytes(v.aval) for v in vs), vars=tuple(vs))
     for (s, d), vs in sorted(acc.items())
   ]
 
@@ -527,111 +399,6 @@ def trace_function(
     param_paths=p_paths, state_paths=s_paths, batch_paths=b_paths,
     param_treedef=p_def, state_treedef=s_def, batch_treedef=b_def, depth=depth,
   )
-
-
-def is_nnx_module(model: Any) -> bool:
-  from flax import nnx
-
-  return isinstance(model, nnx.Module)
-
-
-def is_linen_module(model: Any) -> bool:
-  from flax import linen as nn
-
-  return isinstance(model, nn.Module)
-
-
-def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scopes: bool = True):
-  """Splits an NNX model into (graphdef, params, state) and a pure `f(params, state, batch)`.
-
-  The returned function merges the model inside and, with `scopes`, runs every submodule call
-  under a name scope of its attribute path, so equations carry module paths like linen's do.
-  """
-  from flax import nnx
-
-  graphdef, params, state = nnx.split(model, nnx.Param, ...)
-
-  def pure(p, s, batch):
-    # Fresh Variables at the current trace level: NNX refuses to mutate (e.g. BatchNorm's
-    # statistics) a Variable created at another one.
-    p, s = jax.tree.map(lambda x: x, (p, s))
-    m = nnx.merge(graphdef, p, s)
-    if not scopes:
-      return loss_fn(m, batch)
-    with nnx_name_scopes(m):
-      return loss_fn(m, batch)
-
-  return graphdef, params, state, pure
-
-
-class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
-  """While active, every call of a submodule of `root` runs under `jax.named_scope(path)`.
-
-  NNX records no module paths in equations; this patches `__call__` of the module classes in
-  the tree (restored on exit) and resets the name stack to the module's full attribute path, so
-  a submodule called from outside its parent still gets its own path.
-  """
-
-  def __init__(self, root: Any):
-    self.root = root
-    self._saved: dict[type, Any] = {}
-
-  def __enter__(self):
-    from flax import nnx
-    from jax._src import source_info_util
-
-    paths: dict[int, tuple[str, ...]] = {}
-    for path, mod in nnx.iter_modules(self.root):
-      if path:
-        paths[id(mod)] = tuple(str(p) for p in path)
-    classes = {type(m) for _, m in nnx.iter_modules(self.root)}
-    for cls in classes:
-      orig = cls.__dict__.get("__call__")
-      if orig is None:
-        # Inherited __call__: patch on this class and remove on exit.
-        orig_inherited = cls.__call__
-        self._saved[cls] = None
-        cls.__call__ = _scoped(orig_inherited, paths, source_info_util)
-      else:
-        self._saved[cls] = orig
-        cls.__call__ = _scoped(orig, paths, source_info_util)
-    return self
-
-  def __exit__(self, *exc):
-    for cls, orig in self._saved.items():
-      if orig is None:
-        del cls.__call__
-      else:
-        cls.__call__ = orig
-    self._saved.clear()
-    return False
-
-
-def _scoped(fn, paths, source_info_util):
-  def wrapper(self, *args, **kwargs):
-    path = paths.get(id(self))
-    if path is None:
-      return fn(self, *args, **kwargs)
-    with source_info_util.reset_name_stack():
-      with _nested_scopes(path):
-        return fn(self, *args, **kwargs)
-
-  wrapper.__wrapped__ = fn
-  return wrapper
-
-
-class _nested_scopes:  # noqa: N801
-  def __init__(self, parts: Sequence[str]):
-    self.ctxs = [jax.named_scope(p) for p in parts]
-
-  def __enter__(self):
-    for c in self.ctxs:
-      c.__enter__()
-
-  def __exit__(self, *exc):
-    for c in reversed(self.ctxs):
-      c.__exit__(*exc)
-    return False
 
 
 def trace(

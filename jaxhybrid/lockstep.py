@@ -52,6 +52,7 @@ import numpy as np
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import structure as structure_lib
+from jaxhybrid.eqn_costs import aval_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,7 @@ def param_bytes_per_device(graph: graph_lib.OpGraph, assignment: Sequence[int]) 
   """Parameter bytes each model-axis device holds in the program: its owned leaves + shared ones."""
   devices = max(assignment, default=0) + 1
   layout = structure_lib.param_layout(graph, assignment, devices)
-  shared = sum(structure_lib.aval_nbytes(graph.param_avals[i]) for i in layout.shared)
+  shared = sum(aval_bytes(graph.param_avals[i]) for i in layout.shared)
   return [b + shared for b in layout.bytes_per_device()]
 
 
@@ -177,7 +178,7 @@ def zero_fill_bytes(
   readers: dict[tuple[Any, int], set[int]] = {}
   for t in tasks:
     node = graph.nodes[t.node]
-    own[t.device] += residuals(t.node) + sum(structure_lib.aval_nbytes(v.aval) for v in node.outvars)
+    own[t.device] += residuals(t.node) + sum(aval_bytes(v.aval) for v in node.outvars)
     for v in node.invars:
       if isinstance(v, jex.core.Literal) or v in consts or (v, t.microbatch) in made:
         continue  # literals, constants, values of this group
@@ -187,7 +188,7 @@ def zero_fill_bytes(
       readers.setdefault((v, 0 if kind == graph_lib.PARAM else t.microbatch), set()).add(t.device)
   total = sum(own.values())
   return {
-    d: total - own[d] + sum(structure_lib.aval_nbytes(v.aval) for (v, _), r in readers.items() if d not in r)
+    d: total - own[d] + sum(aval_bytes(v.aval) for (v, _), r in readers.items() if d not in r)
     for d in range(devices)
   }
 
@@ -232,7 +233,7 @@ def program_step_s(
       per_device[t.device] = per_device.get(t.device, 0.0) + node_s[t.node]
     compute += max(per_device.values(), default=0.0)
     for msg in structure_lib.group_messages(graph, tasks, consumers, devices, pack_max_bytes):
-      nbytes = max(sum(structure_lib.aval_nbytes(v.aval) for v, _ in keys) for keys in msg.payloads.values())
+      nbytes = max(sum(aval_bytes(v.aval) for v, _ in keys) for keys in msg.payloads.values())
       # The ppermute ends when its slowest pair does; forward activations, backward gradients.
       transfer += 2 * max(
         costs.transfer_time_s(nbytes, src, (src + msg.shift) % devices) for src in msg.payloads

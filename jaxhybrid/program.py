@@ -48,7 +48,7 @@ from jaxhybrid.mesh import DATA, MODEL
 # The static structure (parameter layout; schedule -> slots -> groups -> messages) lives in
 # jaxhybrid.structure; re-exported here.
 from jaxhybrid.structure import (  # noqa: F401
-  DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, aval_nbytes, group_messages, group_slots,
+  DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, group_messages, group_slots,
   param_layout, plan_order, slots_from_schedule,
 )
 

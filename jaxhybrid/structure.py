@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
+from jaxhybrid.eqn_costs import aval_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +174,6 @@ def group_slots(graph: graph_lib.OpGraph, slots: list[dict[int, Task]]) -> list[
 DEFAULT_PACK_MAX_BYTES = 1 << 20
 
 
-def aval_nbytes(aval: Any) -> int:
-  return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-
-
 class Message(NamedTuple):
   """One ppermute after a group: every source d sends `payloads[d]` to device d + shift (mod M)."""
 
@@ -205,7 +202,7 @@ def group_messages(
     for v in graph.nodes[t.node].outvars:
       for dst in sorted(consumers.get(v, set()) - {t.device}):
         shift, key = (dst - t.device) % devices, (v, t.microbatch)
-        if aval_nbytes(v.aval) >= pack_max_bytes:
+        if aval_bytes(v.aval) >= pack_max_bytes:
           alone.append(Message(shift=shift, dtype=np.dtype(v.aval.dtype), payloads={t.device: [key]}))
         else:
           packed.setdefault((shift, np.dtype(v.aval.dtype)), {}).setdefault(t.device, []).append(key)

@@ -15,6 +15,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
+from jaxhybrid import eqn_costs
 from jaxhybrid import graph
 
 F32 = jnp.float32
@@ -86,13 +87,13 @@ def test_matmul_flops_are_2mnk(m, k, n):
     jax.ShapeDtypeStruct((m, k), F32),
   )
   (dot,) = [e for nd in g.nodes for e in nd.eqns if e.primitive.name == "dot_general"]
-  assert graph.eqn_cost(dot).flops == 2 * m * n * k
+  assert eqn_costs.eqn_cost(dot).flops == 2 * m * n * k
 
 
 def test_batched_and_transposed_dot_flops():
   # [b, m, k] x [b, n, k] -> [b, m, n]: 2 * b * m * n * k
   dn = (((2,), (2,)), ((0,), (0,)))
-  assert graph.dot_general_flops((4, 3, 5), (4, 7, 5), dn) == 2 * 4 * 3 * 7 * 5
+  assert eqn_costs.dot_general_flops((4, 3, 5), (4, 7, 5), dn) == 2 * 4 * 3 * 7 * 5
 
 
 def test_conv_flops_exact():
@@ -107,7 +108,7 @@ def test_conv_flops_exact():
   g = graph.trace_function(loss, w, {}, x)
   (conv,) = [e for nd in g.nodes for e in nd.eqns if e.primitive.name == "conv_general_dilated"]
   # 2 x output elements (2*7*7*8) x kernel taps per output (3*3*3).
-  assert graph.eqn_cost(conv).flops == 2 * (2 * 7 * 7 * 8) * (3 * 3 * 3)
+  assert eqn_costs.eqn_cost(conv).flops == 2 * (2 * 7 * 7 * 8) * (3 * 3 * 3)
 
 
 # ---- NNX and linen ----------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_scan_costs_length_times_body():
   scan1, scan7 = (
     [e for n in g.nodes for e in n.eqns if e.primitive.name == "scan"][0] for g in (g1, g7)
   )
-  c1, c7 = graph.eqn_cost(scan1), graph.eqn_cost(scan7)
+  c1, c7 = eqn_costs.eqn_cost(scan1), eqn_costs.eqn_cost(scan7)
   assert c7.flops == 7 * c1.flops
   assert c7.bytes_accessed == 7 * c1.bytes_accessed
   # The body holds two matmuls: 2*4*8*16 + 2*4*16*16 FLOPs per step, plus elementwise ops.
@@ -276,8 +277,8 @@ def test_unknown_primitive_is_opaque_with_warning(caplog):
   assert node.name == "strange"
   assert node.opaque == ("mystery_op",)
   (eqn,) = [e for e in node.eqns if e.primitive is mystery_p]
-  assert graph.eqn_cost(eqn).flops == 2 * 4  # the fallback: one FLOP per output element
-  assert graph.eqn_cost(eqn).opaque == ("mystery_op",)
+  assert eqn_costs.eqn_cost(eqn).flops == 2 * 4  # the fallback: one FLOP per output element
+  assert eqn_costs.eqn_cost(eqn).opaque == ("mystery_op",)
   assert "opaque: mystery_op" in g.summary()
 
 
