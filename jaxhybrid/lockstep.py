@@ -46,8 +46,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.extend as jex
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
@@ -99,10 +102,6 @@ def measure_pass_costs(optimizer: Any, nbytes: int = 32 << 20, *, warmup: int = 
     nbytes: buffer size; large enough to leave the caches, as a model's parameters do.
     warmup, repeats: as `costs.median_time_s`.
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-
   n = max(1, nbytes // 4)
   params = jnp.ones((n,), jnp.float32)
   grads = jnp.full((n,), 1e-3, jnp.float32)
@@ -126,8 +125,6 @@ def measure_pass_costs(optimizer: Any, nbytes: int = 32 << 20, *, warmup: int = 
 
 def residual_bytes(graph: graph_lib.OpGraph, node: Any) -> int:
   """Bytes `jax.vjp` of the node saves for its backward (w.r.t. its float, non-batch inputs)."""
-  import jax
-
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
   fn = graph.node_fn(node)
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars]
