@@ -59,6 +59,8 @@ flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size 
                      "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
 flags.DEFINE_boolean("compare_unpacked", True, "Also time the plan with every transfer its own "
                      "ppermute (step_s_plan_unpacked), in the same run.")
+flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each group's "
+                  "conditional saves for the backward (HybridProgram.build's branch_remat).")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
@@ -187,13 +189,17 @@ def role_single(work: pathlib.Path, name: str) -> None:
     # The program runs in lock step: keep whichever of the planner's plan and the pipeline
     # heuristics' plans is fastest that way (jaxhybrid.lockstep.choose).
     cands = [plan] + [planner.place(g, cm, devices=2, microbatches=k, method=m) for m in LOCKSTEP_CANDIDATES]
-    plan, cand_s = lockstep.choose(g, cands, cm, pc)
+    plan, cand_s = lockstep.choose(
+      g, cands, cm, pc, pack_max_bytes=_pack_max_bytes(), branch_remat=FLAGS.branch_remat
+    )
     chosen = {"lockstep_candidates": dict(zip([FLAGS.planner, *LOCKSTEP_CANDIDATES], cand_s))}
   else:
     chosen = {}
   plan.save(work / f"plan_{name}.json")
   # The program runs the plan group by group in lock step (jaxhybrid.lockstep): price that too.
-  prog_t = lockstep.plan_step_s(g, plan, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc)
+  prog_t = lockstep.plan_step_s(
+    g, plan, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc, branch_remat=FLAGS.branch_remat
+  )
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work)).step_time_s(g_full)
@@ -214,6 +220,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "predicted_program_speedup": (full_1dev_s + update_1dev_s) / prog_t.step_s,
     "program_groups": prog_t.groups,
     "program_transfers": prog_t.transfers, "pack_max_bytes": _pack_max_bytes(),
+    "branch_remat": FLAGS.branch_remat,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "plan_method": plan.method, **chosen,
   }))
@@ -242,7 +249,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   for field, pack in packs.items():
     hy = api.parallelize(
       model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
-      program_options={"pack_max_bytes": pack},
+      program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat},
     )
     fn = lambda st, bt, hy=hy: hy.program.step_fn()(st, bt)  # noqa: E731
     out[field], _ = _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)
@@ -288,6 +295,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     __file__, f"--role={role}", f"--model={model}", f"--size={FLAGS.size}", f"--batch={FLAGS.batch}",
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
+    f"--branch_remat={FLAGS.branch_remat}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]

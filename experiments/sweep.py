@@ -27,7 +27,7 @@ from jaxhybrid import errors, mesh, runner
 _MODELS = flags.DEFINE_list("models", ["biglstm"], "Models.")
 _MESHES = flags.DEFINE_list("meshes", ["2x2"], "DATAxMODEL meshes.")
 _BATCHES = flags.DEFINE_list("batches", ["4"], "Per-worker batches.")
-_PLANNERS = flags.DEFINE_list("planners", ["milp"], "Planners (milp, etf, dp, single).")
+_PLANNERS = flags.DEFINE_list("planners", ["milp"], "Planners (milp, etf, dp, interleaved, single).")
 _SIZE = flags.DEFINE_string("size", None, "Model size (default: paper on GPU, tiny on CPU).")
 _MICRO = flags.DEFINE_integer("microbatches", 2, "Micro-batches per worker batch.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Training steps per run.")

@@ -30,7 +30,7 @@ from jaxhybrid import program as program_lib
 
 log = logging.getLogger(__name__)
 
-PLANNERS = ("milp", "etf", "dp", "single")
+PLANNERS = ("milp", "etf", "dp", "interleaved", "single")
 
 
 def _leading(x: Any) -> int | None:
@@ -157,14 +157,15 @@ def parallelize(
     mesh: "DATAxMODEL" or a Mesh from `jaxhybrid.mesh.make`.
     microbatches: micro-batches per worker batch (pipelining across the model axis).
     params: linen only: the concrete parameter pytree.
-    planner: 'milp' (DLPlacer) or a heuristic: 'etf', 'dp', 'single'.
+    planner: 'milp' (DLPlacer) or a heuristic: 'etf', 'dp', 'interleaved', 'single'.
     costs: a cost model (default: analytic for `hardware` or the current device).
     hardware: hardware profile name for the default costs.
     planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...).
     plan: an existing Plan to apply instead of planning (must be for this graph).
     depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`).
     remat: node names to rematerialise.
-    program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes).
+    program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes,
+      branch_remat).
 
   Returns:
     A `Hybrid` with `.graph`, `.plan`, `.program`, `.init()`, `.step()`.

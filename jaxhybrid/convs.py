@@ -23,9 +23,12 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 _CONV = jex.core.primitives.conv_general_dilated_p
 _JIT = jex.core.primitives.jit_p
+# Name of canonical convolution outputs, for `jax.checkpoint` policies that keep them.
+CONV_NAME = "jaxhybrid_conv"
 
 
 def _canonical_numbers(n: int) -> lax.ConvDimensionNumbers:
@@ -82,7 +85,7 @@ def conv(lhs: jax.Array, rhs: jax.Array, params: dict[str, Any]) -> jax.Array:
     return tuple(eval_jaxpr(closed.jaxpr, closed.consts, ct))
 
   f.defvjp(fwd, bwd)
-  return f(lhs, rhs)
+  return checkpoint_name(f(lhs, rhs), CONV_NAME)
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:

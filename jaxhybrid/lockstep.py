@@ -31,12 +31,13 @@ against ~600 ms of node work.
   + sum over groups of  max over devices d of  Z_d(g) * fill_s_per_byte      (M > 1 only)
 
 the conditionals' zero-fill: a device writes zeros for every output of another device's tasks
-in the group and, because JAX differentiates `lax.switch` by making each branch output all
+that leaves the group (`structure.group_outputs`) and, because JAX differentiates `lax.switch` by making each branch output all
 branches' residuals, for their residuals too (forward), and zero cotangents for every group
 operand its own tasks do not read (backward). Z_d(g) counts those bytes from the graph
 (`residual_bytes`). Checked on Inception-V3 small (2-way plan, 43 groups): the count gives 440 MB
 of conditional outputs per step, the traced program's conditionals output 411 MB (JAX merges
-some residuals of equal shape).
+some residuals of equal shape). With the program's `branch_remat` policy only what it saves
+counts; the recomputation that buys is not priced.
 """
 
 from __future__ import annotations
@@ -123,8 +124,12 @@ def measure_pass_costs(optimizer: Any, nbytes: int = 32 << 20, *, warmup: int = 
   )
 
 
-def residual_bytes(graph: graph_lib.OpGraph, node: Any) -> int:
-  """Bytes `jax.vjp` of the node saves for its backward (w.r.t. its float, non-batch inputs)."""
+def residual_bytes(graph: graph_lib.OpGraph, node: Any, policy: Any = None) -> int:
+  """Bytes `jax.vjp` of the node saves for its backward (w.r.t. its float, non-batch inputs).
+
+  With a `jax.checkpoint` policy (`program.BRANCH_REMAT_POLICIES`), only what the policy saves
+  counts: the node's own inputs are then the branch's operands or recomputed, not saved.
+  """
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
   fn = graph.node_fn(node)
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars]
@@ -133,17 +138,26 @@ def residual_bytes(graph: graph_lib.OpGraph, node: Any) -> int:
     if np.issubdtype(v.aval.dtype, np.inexact) and kinds.get(v, (graph_lib.PARAM, 0))[0] == graph_lib.PARAM
   ]
 
-  def residuals(*xs):
+  def f_of(xs):
     def f(*d):
       args = list(xs)
       for i, x in zip(diff, d):
         args[i] = x
       return fn(*args)
 
-    return jax.tree.leaves(jax.vjp(f, *[xs[i] for i in diff])[1])
+    return f if policy is None else jax.checkpoint(f, policy=policy)
 
-  shapes = jax.eval_shape(residuals, *avals)
-  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in shapes)
+  def residuals(*xs):
+    return jax.tree.leaves(jax.vjp(f_of(xs), *[xs[i] for i in diff])[1])
+
+  if policy is None:
+    shapes = jax.eval_shape(residuals, *avals)
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in shapes)
+  # As jax's saved_residuals: the residual outputs of the traced vjp that are not its arguments.
+  closed = jax.make_jaxpr(residuals)(*avals)
+  args = set(closed.jaxpr.invars)
+  saved = {v for v in closed.jaxpr.outvars if not isinstance(v, jex.core.Literal) and v not in args}
+  return sum(aval_bytes(v.aval) for v in saved)
 
 
 def param_bytes_per_device(graph: graph_lib.OpGraph, assignment: Sequence[int]) -> list[int]:
@@ -155,7 +169,8 @@ def param_bytes_per_device(graph: graph_lib.OpGraph, assignment: Sequence[int]) 
 
 
 def zero_fill_bytes(
-  graph: graph_lib.OpGraph, tasks: Sequence[Any], devices: int, residuals: Callable[[int], int]
+  graph: graph_lib.OpGraph, tasks: Sequence[Any], devices: int, residuals: Callable[[int], int],
+  outputs: Any = None,
 ) -> dict[int, int]:
   """Per device, the bytes of zeros it writes in one group's forward and backward conditionals.
 
@@ -167,6 +182,8 @@ def zero_fill_bytes(
     tasks: one group (`HybridProgram.groups` entry).
     devices: model-axis devices.
     residuals: node id -> its residual bytes (`residual_bytes`).
+    outputs: the (value, micro-batch) keys the group returns (`structure.group_outputs`); None
+      counts every output of its tasks.
   """
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
   consts = set(graph.jaxpr.constvars)
@@ -175,7 +192,9 @@ def zero_fill_bytes(
   readers: dict[tuple[Any, int], set[int]] = {}
   for t in tasks:
     node = graph.nodes[t.node]
-    own[t.device] += residuals(t.node) + sum(aval_bytes(v.aval) for v in node.outvars)
+    own[t.device] += residuals(t.node) + sum(
+      aval_bytes(v.aval) for v in node.outvars if outputs is None or (v, t.microbatch) in outputs
+    )
     for v in node.invars:
       if isinstance(v, jex.core.Literal) or v in consts or (v, t.microbatch) in made:
         continue  # literals, constants, values of this group
@@ -198,6 +217,7 @@ def program_step_s(
   pack_max_bytes: int | None = None,
   pass_costs: PassCosts | None = None,
   microbatches: int = 1,
+  branch_remat: str = "none",
 ) -> LockstepTime:
   """Prices a program's groups (`HybridProgram.groups`) in lock step (see module docstring).
 
@@ -210,6 +230,8 @@ def program_step_s(
       message costs one link time of its longest source buffer.
     pass_costs: per-byte optimizer-update, gradient-add and fill times; None leaves them out.
     microbatches: micro-batches per step (gradient accumulations: microbatches - 1).
+    branch_remat: as `HybridProgram.build`'s: what the conditionals save (and so zero-fill). The
+      recomputation it costs is not priced.
 
   Returns:
     The predicted compute, transfer and total step time.
@@ -238,17 +260,19 @@ def program_step_s(
       count += 1
   param_s = fill_s = 0.0
   cache: dict[int, int] = {}
+  policy = structure_lib.BRANCH_REMAT_POLICIES[branch_remat]
 
   def _residuals(nid: int) -> int:
     if nid not in cache:
-      cache[nid] = residual_bytes(graph, graph.nodes[nid])
+      cache[nid] = residual_bytes(graph, graph.nodes[nid], policy)
     return cache[nid]
 
   if pass_costs is not None:
     param_s = max(pass_costs.time_s(b, microbatches) for b in param_bytes_per_device(graph, assignment))
     if devices > 1 and pass_costs.fill_s_per_byte > 0:
       fill_s = pass_costs.fill_s_per_byte * sum(
-        max(zero_fill_bytes(graph, tasks, devices, _residuals).values()) for tasks in groups
+        max(zero_fill_bytes(graph, tasks, devices, _residuals, set(outs)).values())
+        for tasks, outs in zip(groups, structure_lib.group_outputs(graph, groups))
       )
   return LockstepTime(
     compute_s=compute, transfer_s=transfer, groups=len(groups), transfers=count, param_s=param_s,
@@ -262,13 +286,14 @@ def plan_step_s(
   costs: costs_lib.CostModel,
   pack_max_bytes: int | None = None,
   pass_costs: PassCosts | None = None,
+  branch_remat: str = "none",
 ) -> LockstepTime:
   """`program_step_s` for the groups `HybridProgram.build` makes from `plan` (a planner Plan)."""
   order = structure_lib.plan_order(plan.schedule)
   slots = structure_lib.slots_from_schedule(graph, plan.assignment, plan.microbatches, order or None)
   return program_step_s(
     graph, structure_lib.group_slots(graph, slots), plan.assignment, costs, pack_max_bytes,
-    pass_costs, plan.microbatches,
+    pass_costs, plan.microbatches, branch_remat,
   )
 
 
@@ -277,18 +302,24 @@ def choose(
   plans: Sequence[Any],
   costs: costs_lib.CostModel,
   pass_costs: PassCosts | None = None,
+  *,
+  pack_max_bytes: int | None = None,
+  branch_remat: str = "none",
 ) -> tuple[Any, list[float]]:
   """The plan the program runs fastest in lock step (first on ties), and every plan's time.
 
   The MILP minimises the asynchronous schedule's makespan, which lets transfers overlap compute;
   where transfers are slow and serialised (one-core CPU processes over gloo) a heuristic plan with
-  fewer transfers can run faster. Pass the MILP plan and heuristic plans for the same graph.
+  fewer transfers can run faster. Pass the MILP plan and heuristic plans for the same graph, and
+  the program options the plan will run with (`pack_max_bytes`, `branch_remat`).
 
   Raises:
     ValueError: if `plans` is empty.
   """
   if not plans:
     raise ValueError("choose() needs at least one plan")
-  times = [plan_step_s(graph, p, costs, pass_costs=pass_costs).step_s for p in plans]
+  times = [
+    plan_step_s(graph, p, costs, pack_max_bytes, pass_costs, branch_remat).step_s for p in plans
+  ]
   best = min(range(len(plans)), key=lambda i: (times[i], i))
   return plans[best], times

@@ -5,7 +5,8 @@ Inside one `jax.shard_map` over ('data', 'model'):
 * the forward loss is replayed node by node from the traced jaxpr (`OpGraph.node_fn`); the plan's
   schedule is cut into *slots*, and in each slot every model-axis device runs its own task
   through `lax.switch(axis_index('model'), branches)` (MPMD inside SPMD). A branch returns the
-  outputs of every task of the slot, zeros for the tasks of other devices, so all branches agree;
+  values of the group that later groups read, zeros for the tasks of other devices, so all
+  branches agree (`branch_remat` bounds what they also save for the backward);
 * a tensor consumed on another device moves by `lax.ppermute` right after the group of slots
   that made it, outside any branch (small ones of a group packed into one message per direction);
 * a worker's batch is cut into `microbatches`; the tasks of different micro-batches interleave
@@ -48,8 +49,8 @@ from jaxhybrid.mesh import DATA, MODEL
 # The static structure (parameter layout; schedule -> slots -> groups -> messages) lives in
 # jaxhybrid.structure; re-exported here.
 from jaxhybrid.structure import (  # noqa: F401
-  DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, group_messages, group_slots,
-  param_layout, plan_order, slots_from_schedule,
+  BRANCH_REMAT_POLICIES, DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, group_messages,
+  group_outputs, group_slots, param_layout, plan_order, slots_from_schedule,
 )
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class HybridProgram:
   # Transfers of one group smaller than this many bytes travel packed, one ppermute per direction
   # (see `group_messages`); 0 sends every tensor on its own.
   pack_max_bytes: int = 0
+  # What a group's conditional saves for its backward (see BRANCH_REMAT_POLICIES).
+  branch_remat: str = "none"
   _step: Callable | None = None
 
   # ---- construction ---------------------------------------------------------------------------
@@ -148,6 +151,7 @@ class HybridProgram:
     remat: Sequence[str] = (),
     canonical_convs: bool | None = None,
     pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
+    branch_remat: str = "none",
   ) -> HybridProgram:
     """Builds the program.
 
@@ -168,6 +172,11 @@ class HybridProgram:
         devices are CPUs.
       pack_max_bytes: a group's transfers below this size share one ppermute per direction
         (`group_messages`); 0 sends each on its own.
+      branch_remat: 'none' (a group's conditional saves every residual its backward needs),
+        'dots' (only matmul and convolution outputs; the rest is recomputed in the backward) or
+        'full' (nothing; the forward is replayed). Every device's conditional returns the
+        residuals of ALL devices' branches, zeros for the others', so fewer saved bytes also
+        means less zero-filling (`BRANCH_REMAT_POLICIES`).
 
     Raises:
       ValueError: if the assignment does not fit the graph or the mesh.
@@ -194,6 +203,10 @@ class HybridProgram:
     state_leaves = tuple(jax.tree.leaves(state)) if state is not None else ()
     if len(state_leaves) != n_state:
       raise ValueError(f"the graph reads {n_state} state leaves, got {len(state_leaves)}")
+    if branch_remat not in BRANCH_REMAT_POLICIES:
+      raise ValueError(
+        f"branch_remat={branch_remat!r} is unknown: use one of {', '.join(BRANCH_REMAT_POLICIES)}"
+      )
     names = {n.name: n.id for n in graph.nodes}
     unknown = [r for r in remat if r not in names]
     if unknown:
@@ -208,7 +221,7 @@ class HybridProgram:
       canonical_convs=(
         mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
       ),
-      pack_max_bytes=int(pack_max_bytes),
+      pack_max_bytes=int(pack_max_bytes), branch_remat=branch_remat,
     )
     return prog
 
@@ -372,7 +385,7 @@ class HybridProgram:
         node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
       return node_fns[nid]
 
-    for tasks in self.groups:
+    for tasks, out_keys in zip(self.groups, group_outputs(g, self.groups)):
       made = {(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars}
       # Operands shared by all branches: every value the group's tasks read from before the group
       # (parameters of the task's node, activations, batch and state), constants excepted.
@@ -384,7 +397,6 @@ class HybridProgram:
           key = (v, 0) if v in kinds and kinds[v][0] != graph_lib.BATCH else (v, t.microbatch)
           if key not in op_keys:
             op_keys.append(key)
-      out_keys = [(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars]
       out_avals = [v.aval for v, _ in out_keys]
 
       def make_branch(dev, tasks=tasks, op_keys=op_keys, out_keys=out_keys, out_avals=out_avals):
@@ -420,6 +432,9 @@ class HybridProgram:
         outs = make_branch(0)(ops)
       else:
         branches = [make_branch(d) for d in range(self.layout.devices)]
+        if self.branch_remat != "none":
+          policy = BRANCH_REMAT_POLICIES[self.branch_remat]
+          branches = [jax.checkpoint(b, policy=policy) for b in branches]
         outs = lax.switch(me, branches, ops)
       for key, o in zip(out_keys, outs):
         env[key] = o

@@ -17,8 +17,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
+from jaxhybrid import convs
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.eqn_costs import aval_bytes
 
@@ -165,6 +167,41 @@ def group_slots(graph: graph_lib.OpGraph, slots: list[dict[int, Task]]) -> list[
         made_by[(v, t.microbatch)] = t.device
   # Within a group keep slot order per device (tasks were appended slot by slot).
   return groups
+
+
+def group_outputs(graph: graph_lib.OpGraph, groups: Sequence[Sequence[Task]]) -> list[list[tuple[Any, int]]]:
+  """Per group, the (value, micro-batch) keys its conditional must return, in task order.
+
+  A value leaves its group only when a later group reads it or it is the loss; one made and read
+  inside a group stays inside the branch, so the other devices write no zeros for it.
+  """
+  later = {(graph.jaxpr.outvars[0], m) for g in groups for m in {t.microbatch for t in g}}
+  outs: list[list[tuple[Any, int]]] = []
+  for tasks in reversed(groups):
+    outs.append([
+      (v, t.microbatch) for t in tasks for v in graph.nodes[t.node].outvars
+      if (v, t.microbatch) in later
+    ])
+    for t in tasks:
+      later.update((v, t.microbatch) for v in graph.nodes[t.node].invars)
+  outs.reverse()
+  return outs
+
+
+# `jax.checkpoint` policies for a group's conditional branches (`HybridProgram.build`'s
+# branch_remat). JAX differentiates `lax.switch` by making every branch return the residuals of
+# all branches, so each device writes zeros for the other devices' saved activations: saving less
+# trades that zero-filling (and memory) for recomputation. 'dots' keeps matmul and convolution
+# outputs (the canonical CPU convolutions are custom VJPs, recognised by their checkpoint name).
+# Not in the paper (its devices run their own programs).
+BRANCH_REMAT_POLICIES: dict[str, Any] = {
+  "none": None,
+  "dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(convs.CONV_NAME),
+  ),
+  "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 # One message's fixed cost dominates small tensors on slow links (gloo over TCP: ~1 ms), while

@@ -186,3 +186,28 @@ def test_residual_bytes_match_a_real_vjp():
   _, vjp_fn = jax.vjp(f, *[inputs[i] for i in diff])
   want = sum(x.nbytes for x in jax.tree.leaves(vjp_fn))
   assert lockstep.residual_bytes(g, node) == want > 0
+
+
+def test_zero_fill_leaves_out_values_kept_inside_the_group():
+  g = _towers(1)
+  first = {n.name.split("/")[0]: n for n in g.nodes if n.name.endswith("l1")}
+  a, b = first["a"], first["b"]
+  group = [program_lib.Task(a.id, 0, 0), program_lib.Task(b.id, 0, 1)]
+  none = lambda nid: 0  # noqa: E731
+  every = lockstep.zero_fill_bytes(g, group, 2, none)
+  only_b = lockstep.zero_fill_bytes(g, group, 2, none, outputs={(v, 0) for v in b.outvars})
+  out_a = sum(int(np.prod(v.aval.shape)) * 4 for v in a.outvars)
+  assert only_b == {0: every[0], 1: every[1] - out_a}
+
+
+def test_residual_bytes_under_remat_policies():
+  g = _towers(1)
+  node = next(n for n in g.nodes if n.name.endswith("l1"))
+  policies = program_lib.BRANCH_REMAT_POLICIES
+  dots = sum(
+    int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+    for e in g.node_jaxpr(node).jaxpr.eqns if e.primitive.name == "dot_general" for v in e.outvars
+  )
+  assert dots > 0
+  assert lockstep.residual_bytes(g, node, policies["full"]) == 0
+  assert lockstep.residual_bytes(g, node, policies["dots"]) == dots < lockstep.residual_bytes(g, node)

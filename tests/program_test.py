@@ -215,3 +215,62 @@ def test_packed_transfers_match_reference_and_use_fewer_permutes(mesh_spec, k):
   n_single = unpacked.lower(ts, batch).as_text().count("collective_permute")
   # One ppermute per message forward and one (its transpose) backward.
   assert n_packed == 2 * len(messages) < n_single
+
+
+def _conditional_output_bytes(prog, params, batch):
+  """Bytes the step's conditionals return (their zero-filled outputs and residuals included)."""
+  ts = prog.init_state(jax.tree.leaves(params))
+  closed = jax.make_jaxpr(prog.step_fn())(ts, prog.shard_batch(batch))
+  total = 0
+
+  def walk(jaxpr):
+    nonlocal total
+    for e in jaxpr.eqns:
+      if e.primitive.name == "cond":
+        total += sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in e.outvars)
+      for p in e.params.values():
+        for q in p if isinstance(p, (list, tuple)) else [p]:
+          if hasattr(q, "eqns"):
+            walk(q)
+          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
+            walk(q.jaxpr)
+
+  walk(closed.jaxpr)
+  return total
+
+
+@pytest.mark.parametrize("policy", ["dots", "full"])
+def test_branch_remat_matches_reference_and_saves_less(policy):
+  model = toy.LSTMNet(rngs=nnx.Rngs(0))
+  batch = toy.lstm_batch(16)
+  opt = optax.adam(1e-2)
+  prog, p, s, pure = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt)
+  remat = dataclasses.replace(prog, branch_remat=policy, _step=None)
+  assert_matches_reference(remat, p, s, pure, batch, opt)
+  assert _conditional_output_bytes(remat, p, batch) < _conditional_output_bytes(prog, p, batch)
+
+
+def test_group_outputs_are_read_later_or_the_loss():
+  model = toy.LSTMNet(rngs=nnx.Rngs(0))
+  prog, _, _, _ = build(model, toy.lstm_loss, toy.lstm_batch(16), "1x2", split_lstm, 2, optax.sgd(0.1))
+  g = prog.graph
+  outs = program_lib.group_outputs(g, prog.groups)
+  loss = g.jaxpr.outvars[0]
+  kept = dropped = 0
+  for i, (tasks, keys) in enumerate(zip(prog.groups, outs)):
+    read_later = {(v, t.microbatch) for grp in prog.groups[i + 1:] for t in grp for v in g.nodes[t.node].invars}
+    made = [(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars]
+    assert keys == [key for key in made if key in read_later or key[0] is loss]
+    kept, dropped = kept + len(keys), dropped + len(made) - len(keys)
+  assert kept and dropped, "the LSTM split should keep some values and drop in-group ones"
+
+
+def test_unknown_branch_remat_raises():
+  model = toy.Towers(rngs=nnx.Rngs(2))
+  batch = toy.regression_batch(8)
+  m = mesh_lib.make("1x2")
+  spec, per_example = microbatch_spec(batch, 8, 8)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.mse_nnx)
+  g = graph_lib.trace_function(pure, p, s, spec)
+  with pytest.raises(ValueError, match="branch_remat='some'"):
+    program_lib.HybridProgram.build(g, m, optax.sgd(0.1), [0] * len(g.nodes), state=s, branch_remat="some")
