@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import hardware as hardware_lib
+from jaxhybrid import structure as structure_lib
 
 log = logging.getLogger(__name__)
 
@@ -309,12 +310,15 @@ def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
 
 
 def time_node(
-  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
 ) -> float:
   """Compiles and times one node's forward + backward on the default device, seconds.
 
   The backward is `jax.vjp` of the node w.r.t. its floating-point inputs except the batch and
-  read-only state (which get no gradient in training), with random cotangents.
+  read-only state (which get no gradient in training), with random cotangents. With a
+  `jax.checkpoint` policy the node runs rematerialised under it, recomputation included (as the
+  program's `branch_remat` runs it).
   """
   no_grad = {
     v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
@@ -338,7 +342,8 @@ def time_node(
 
     if not diff_args:  # nothing to differentiate (e.g. an embedding lookup of frozen inputs)
       return partial()
-    outs, vjp, aux = jax.vjp(partial, *diff_args, has_aux=True)
+    f = partial if policy is None else jax.checkpoint(partial, policy=policy)
+    outs, vjp, aux = jax.vjp(f, *diff_args, has_aux=True)
     return outs, aux, vjp([c for c in cts if c is not None])
 
   step = jax.jit(fwd_bwd)
@@ -383,6 +388,7 @@ class ProfiledCostModel(CostModel):
     warmup: int = 2,
     link: Interconnect | None = None,
     subtract_dispatch: bool = True,
+    branch_remat: str = "none",
   ):
     """Builds the model (measures nothing until a node time is asked for).
 
@@ -396,6 +402,8 @@ class ProfiledCostModel(CostModel):
         default: the measured `hardware.get('cpu')` on CPU, else a `Link` must be given.
       subtract_dispatch: subtract the time of a jitted no-op from each node time (assumption:
         inside one compiled step the nodes pay no per-call dispatch).
+      branch_remat: time nodes rematerialised under this `HybridProgram.build` policy name
+        (cached apart from the plain times).
 
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
@@ -407,6 +415,12 @@ class ProfiledCostModel(CostModel):
     self.graph = graph
     self.repeats, self.warmup = repeats, warmup
     self.subtract_dispatch = subtract_dispatch
+    if branch_remat not in structure_lib.BRANCH_REMAT_POLICIES:
+      raise ValueError(
+        f"branch_remat={branch_remat!r} is unknown: use one of "
+        f"{', '.join(structure_lib.BRANCH_REMAT_POLICIES)}"
+      )
+    self.branch_remat = branch_remat
     self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
     if link is None:
@@ -451,11 +465,16 @@ class ProfiledCostModel(CostModel):
 
   def node_time_s(self, node: graph_lib.Node) -> float:
     fp = self.graph.node_fingerprint(node)
+    if self.branch_remat != "none":
+      fp += f"|remat={self.branch_remat}"
     if fp in self._times:
       return self._times[fp]
     entry = self._load().get(fp)
     if entry is None:
-      raw = time_node(self.graph, node, warmup=self.warmup, repeats=self.repeats)
+      raw = time_node(
+        self.graph, node, warmup=self.warmup, repeats=self.repeats,
+        policy=structure_lib.BRANCH_REMAT_POLICIES[self.branch_remat],
+      )
       self.measured += 1
       entry = {
         "raw_s": raw, "name": node.name, "repeats": self.repeats, "jax": jax.__version__,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxhybrid import calibrate, costs, graph, hardware
+from jaxhybrid import calibrate, costs, graph, hardware, structure
 
 F32 = jnp.float32
 
@@ -222,6 +222,33 @@ def test_profiled_handles_int_inputs_and_scan(tmp_path):
 def test_profiled_bad_arguments(tmp_path):
   with pytest.raises(ValueError, match="repeats"):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, repeats=0)
+  with pytest.raises(ValueError, match="branch_remat='some'"):
+    costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, branch_remat="some")
+
+
+def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  seen = []
+  real = costs.time_node
+
+  def recording(*args, **kwargs):
+    seen.append(kwargs.get("policy"))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(costs, "time_node", recording)
+  plain = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=link)
+  plain.profile_all()
+  remat = costs.ProfiledCostModel(
+    g, cache_dir=tmp_path, repeats=1, warmup=1, link=link, branch_remat="dots"
+  )
+  remat.profile_all()
+  # The dots-policy model timed every node again, under its policy, and both sets are cached.
+  assert remat.measured == len(g.nodes) and seen[:2] == [None, None]
+  assert all(p is structure.BRANCH_REMAT_POLICIES["dots"] for p in seen[2:])
+  keys = set(json.loads(plain.cache_path.read_text())["nodes"])
+  assert {g.node_fingerprint(n) + "|remat=dots" for n in g.nodes} <= keys
+  assert {g.node_fingerprint(n) for n in g.nodes} <= keys
 
 
 # ---- calibration and prediction vs measurement -----------------------------------------------
