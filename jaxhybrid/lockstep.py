@@ -31,13 +31,14 @@ against ~600 ms of node work.
   + sum over groups of  max over devices d of  Z_d(g) * fill_s_per_byte      (M > 1 only)
 
 the conditionals' zero-fill: a device writes zeros for every output of another device's tasks
-that leaves the group (`structure.group_outputs`) and, because JAX differentiates `lax.switch` by making each branch output all
-branches' residuals, for their residuals too (forward), and zero cotangents for every group
-operand its own tasks do not read (backward). Z_d(g) counts those bytes from the graph
+that leaves the group (`structure.group_outputs`) and, because JAX differentiates `lax.switch`
+by making each branch output all branches' residuals, for their residuals too (forward), and
+zero cotangents for every group operand its own tasks do not read (backward). Z_d(g) counts those bytes from the graph
 (`residual_bytes`). Checked on Inception-V3 small (2-way plan, 43 groups): the count gives 440 MB
 of conditional outputs per step, the traced program's conditionals output 411 MB (JAX merges
 some residuals of equal shape). With the program's `branch_remat` policy only what it saves
-counts; the recomputation that buys is not priced.
+counts; the recomputation that buys is priced through the node times when they were measured
+under the same policy (`costs.ProfiledCostModel(branch_remat=...)`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def measure_pass_costs(optimizer: Any, nbytes: int = 32 << 20, *, warmup: int = 
 def residual_bytes(graph: graph_lib.OpGraph, node: Any, policy: Any = None) -> int:
   """Bytes `jax.vjp` of the node saves for its backward (w.r.t. its float, non-batch inputs).
 
-  With a `jax.checkpoint` policy (`program.BRANCH_REMAT_POLICIES`), only what the policy saves
+  With a `jax.checkpoint` policy (`structure.BRANCH_REMAT_POLICIES`), only what the policy saves
   counts: the node's own inputs are then the branch's operands or recomputed, not saved.
   """
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
@@ -230,8 +231,8 @@ def program_step_s(
       message costs one link time of its longest source buffer.
     pass_costs: per-byte optimizer-update, gradient-add and fill times; None leaves them out.
     microbatches: micro-batches per step (gradient accumulations: microbatches - 1).
-    branch_remat: as `HybridProgram.build`'s: what the conditionals save (and so zero-fill). The
-      recomputation it costs is not priced.
+    branch_remat: as `HybridProgram.build`'s: what the conditionals save (and so zero-fill).
+      Its recomputation is in `costs`' node times only if they were measured under it.
 
   Returns:
     The predicted compute, transfer and total step time.

@@ -157,17 +157,23 @@ def _mlp_graph():
   return graph.trace(model, _mlp_loss, jax.ShapeDtypeStruct((32, 16), F32), depth=1)
 
 
-def test_profiled_times_are_cached_on_disk(tmp_path, monkeypatch):
-  g = _mlp_graph()
-  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+def _record_time_node(monkeypatch, what):
+  """Wraps costs.time_node to append what(args, kwargs) of every call to the returned list."""
   calls = []
   real = costs.time_node
 
-  def counting(*args, **kwargs):
-    calls.append(args[1].name)
+  def recording(*args, **kwargs):
+    calls.append(what(args, kwargs))
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(costs, "time_node", counting)
+  monkeypatch.setattr(costs, "time_node", recording)
+  return calls
+
+
+def test_profiled_times_are_cached_on_disk(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  calls = _record_time_node(monkeypatch, lambda args, kwargs: args[1].name)
   first = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=2, warmup=1, link=link)
   times = first.profile_all()
   assert calls == ["l1", "l2"] and first.measured == 2
@@ -229,14 +235,7 @@ def test_profiled_bad_arguments(tmp_path):
 def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):
   g = _mlp_graph()
   link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
-  seen = []
-  real = costs.time_node
-
-  def recording(*args, **kwargs):
-    seen.append(kwargs.get("policy"))
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(costs, "time_node", recording)
+  seen = _record_time_node(monkeypatch, lambda args, kwargs: kwargs.get("policy"))
   plain = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=link)
   plain.profile_all()
   remat = costs.ProfiledCostModel(

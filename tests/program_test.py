@@ -163,6 +163,8 @@ def test_bad_assignments_and_batches_raise():
     program_lib.HybridProgram.build(g, m, optax.sgd(0.1), [0], state=s)
   with pytest.raises(ValueError, match="model=3"):
     program_lib.HybridProgram.build(g, m, optax.sgd(0.1), [2] * len(g.nodes), state=s)
+  with pytest.raises(ValueError, match="branch_remat='some'"):
+    program_lib.HybridProgram.build(g, m, optax.sgd(0.1), [0] * len(g.nodes), state=s, branch_remat="some")
   prog = program_lib.HybridProgram.build(
     g, m, optax.sgd(0.1), [0] * len(g.nodes), microbatches=2, state=s, per_example=pe
   )
@@ -264,13 +266,3 @@ def test_group_outputs_are_read_later_or_the_loss():
     kept, dropped = kept + len(keys), dropped + len(made) - len(keys)
   assert kept and dropped, "the LSTM split should keep some values and drop in-group ones"
 
-
-def test_unknown_branch_remat_raises():
-  model = toy.Towers(rngs=nnx.Rngs(2))
-  batch = toy.regression_batch(8)
-  m = mesh_lib.make("1x2")
-  spec, per_example = microbatch_spec(batch, 8, 8)
-  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.mse_nnx)
-  g = graph_lib.trace_function(pure, p, s, spec)
-  with pytest.raises(ValueError, match="branch_remat='some'"):
-    program_lib.HybridProgram.build(g, m, optax.sgd(0.1), [0] * len(g.nodes), state=s, branch_remat="some")
