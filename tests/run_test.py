@@ -70,6 +70,10 @@ def test_other_models_run_end_to_end(model, tmp_path):
     assert res[key] is not None, key
   assert res["metrics"]["steps"] == 2
   assert os.path.exists(tmp_path / "w" / "gantt.png")
+  # The prediction is the lock-step price of the program plus the gradient all-reduce.
+  pred = res["predicted"]
+  assert pred["step_s"] == pytest.approx(pred["lockstep_step_s"] + pred["allreduce_s"])
+  assert pred["lockstep_step_s"] > 0 and pred["plan_step_s"] > 0
 
 
 BAD_CONFIGS = [
