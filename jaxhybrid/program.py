@@ -22,14 +22,15 @@ its gradient summed over 'model'. Optimizer state follows its parameters. Elemen
 global view of the parameters would see only one device's share: for global-norm clipping use
 `jaxhybrid.optim.clip_by_global_norm`, which reduces over 'model'.
 
-The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.structure.
+The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.structure;
+the parameter rows are packed and viewed by jaxhybrid.param_rows; messages run in
+jaxhybrid.transfers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import convs
 from jaxhybrid import graph as graph_lib
+from jaxhybrid import param_rows
+from jaxhybrid import transfers
 from jaxhybrid import stat_eff
 from jaxhybrid.mesh import DATA, MODEL
 # The static structure (parameter layout; schedule -> slots -> groups -> messages) lives in
@@ -229,34 +232,18 @@ class HybridProgram:
   def pack(self, leaves: Sequence[Any]) -> dict[str, Any]:
     """Flat parameter leaves (graph order) -> {'owned': {dtype: [M, size]}, 'shared': [...]}.
 
-    Built on the host with numpy; use for models that fit in host memory.
+    Built on the host with numpy (`param_rows.pack`); use for models that fit in host memory.
     """
-    lay = self.layout
-    rows = {dt: np.zeros((lay.devices, n), dt) for dt, n in lay.sizes}
-    for i, leaf in enumerate(leaves):
-      d = lay.owner[i]
-      if d < 0:
-        continue
-      flat = np.asarray(leaf).reshape(-1)
-      rows[lay.dtypes[i]][d, lay.offset[i] : lay.offset[i] + flat.size] = flat
+    rows = param_rows.pack(self.layout, leaves)
     return {
       "owned": {dt: _global(r, NamedSharding(self.mesh, P(MODEL, None))) for dt, r in rows.items()},
-      "shared": [_global(np.asarray(leaves[i]), NamedSharding(self.mesh, P())) for i in lay.shared],
+      "shared": [_global(np.asarray(leaves[i]), NamedSharding(self.mesh, P())) for i in self.layout.shared],
     }
 
   def unpack(self, params: dict[str, Any]) -> list[np.ndarray]:
     """The inverse of `pack`: flat parameter leaves in graph order (on the host)."""
-    lay = self.layout
     rows = {dt: _host(r) for dt, r in params["owned"].items()}
-    shared = dict(zip(lay.shared, (_host(x) for x in params["shared"])))
-    out = []
-    for i, shape in enumerate(lay.shapes):
-      if lay.owner[i] < 0:
-        out.append(np.asarray(shared[i]))
-      else:
-        n = math.prod(shape)
-        out.append(rows[lay.dtypes[i]][lay.owner[i], lay.offset[i] : lay.offset[i] + n].reshape(shape))
-    return out
+    return param_rows.unpack(self.layout, rows, [_host(x) for x in params["shared"]])
 
   def _param_specs(self) -> dict[str, Any]:
     return {
@@ -294,50 +281,11 @@ class HybridProgram:
     missing = tuple(a for a in (DATA, MODEL) if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
-  def _views(self, rows: dict[str, jax.Array]) -> dict[int, jax.Array]:
-    """Every owned leaf sliced from this device's row at its owner's static offsets.
-
-    On the owner the view is the leaf; on other devices it is unused filler (only the branch of
-    the owner reads it). Differentiating with respect to these views rather than the rows turns
-    the backward's per-leaf full-row padding (one row-sized buffer per leaf and per slot) into
-    one concatenation per device layout (`_rows_from_views`).
-    """
-    lay = self.layout
-    out = {}
-    for i, d in enumerate(lay.owner):
-      if d >= 0:
-        n = math.prod(lay.shapes[i])
-        out[i] = lax.slice(rows[lay.dtypes[i]], (lay.offset[i],), (lay.offset[i] + n,)).reshape(lay.shapes[i])
-    return out
-
-  def _rows_from_views(self, grads: dict[int, jax.Array]) -> dict[str, jax.Array]:
-    """Gradient rows from view gradients: per device layout one concatenation, summed.
-
-    On device d the views of other devices' leaves get zero gradient (no branch that runs on d
-    reads them), so the sum over layouts is d's own row.
-    """
-    lay = self.layout
-    rows = {}
-    for dt, size in lay.sizes:
-      total = None
-      for d in range(lay.devices):
-        idx = sorted((i for i, o in enumerate(lay.owner) if o == d and lay.dtypes[i] == dt), key=lambda i: lay.offset[i])
-        if not idx:
-          continue
-        parts = [grads[i].reshape(-1) for i in idx]
-        used = lay.offset[idx[-1]] + math.prod(lay.shapes[idx[-1]])
-        if used < size:
-          parts.append(jnp.zeros((size - used,), grads[idx[0]].dtype))
-        row = jnp.concatenate(parts)
-        total = row if total is None else total + row
-      rows[dt] = total if total is not None else jnp.zeros((size,), dt)
-    return rows
-
   def _local_loss(self, views: dict[int, jax.Array], shared: list[jax.Array], state: Sequence[Any], batch: Sequence[Any]) -> jax.Array:
     """The placed forward on one device: returns the loss on the loss node's device, 0 elsewhere.
 
     Args:
-      views: owned parameter leaves by leaf index (see `_views`).
+      views: owned parameter leaves by leaf index (see `param_rows.views`).
       shared: the shared leaves, in `layout.shared` order.
       state: read-only model state leaves.
       batch: this worker's batch leaves.
@@ -440,41 +388,11 @@ class HybridProgram:
         env[key] = o
       # Transfers: values made in this group that other devices read, outside any branch.
       for msg in group_messages(g, tasks, consumers, self.layout.devices, self.pack_max_bytes):
-        self._send(env, msg, me)
+        transfers.send(env, msg, me, self.layout.devices)
 
     loss_var = jaxpr.outvars[0]
     total = sum(env[(loss_var, m)] for m in range(k)) / k
     return total
-
-  def _send(self, env: dict[tuple[Any, int], jax.Array], msg: Message, me: jax.Array) -> None:
-    """Runs one message: ONE ppermute carrying every payload of `msg`, then the receivers adopt it.
-
-    A single payload moves as it is. Several are flattened and concatenated per source device
-    (zero-padded to the longest source), the device's own buffer is picked by `me`, and each
-    receiver slices its payloads back out at static offsets.
-    """
-    perm = [(src, (src + msg.shift) % self.layout.devices) for src in sorted(msg.payloads)]
-    if sum(len(keys) for keys in msg.payloads.values()) == 1:
-      (src, [key]), = msg.payloads.items()
-      x = env[key]
-      recv = lax.ppermute(x, MODEL, perm=perm)
-      env[key] = jnp.where(me == perm[0][1], recv, x)
-      return
-    flat = {src: [env[key].reshape(-1) for key in keys] for src, keys in msg.payloads.items()}
-    length = max(sum(x.size for x in xs) for xs in flat.values())
-    buf = None
-    for src, xs in sorted(flat.items()):
-      used = sum(x.size for x in xs)
-      part = jnp.concatenate(xs + ([jnp.zeros((length - used,), msg.dtype)] if used < length else []))
-      buf = part if buf is None else jnp.where(me == src, part, buf)
-    recv = lax.ppermute(buf, MODEL, perm=perm)
-    for src, keys in msg.payloads.items():
-      dst, off = (src + msg.shift) % self.layout.devices, 0
-      for key in keys:
-        x = env[key]
-        seg = lax.slice(recv, (off,), (off + x.size,)).reshape(x.shape)
-        env[key] = jnp.where(me == dst, seg, x)
-        off += x.size
 
   @property
   def per_worker_batch(self) -> int:
@@ -491,14 +409,14 @@ class HybridProgram:
 
     def body(params, opt_state, state, batch):
       owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
-      views = {i: self._vary(x) for i, x in self._views(owned).items()}
+      views = {i: self._vary(x) for i, x in param_rows.views(self.layout, owned).items()}
       shared_v = [self._vary(x) for x in params["shared"]]
       state_v = [self._vary(x) for x in state]
       batch_v = [self._vary(x) for x in batch]
       loss, (g_views, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
         views, shared_v, state_v, batch_v
       )
-      g_owned = self._rows_from_views(g_views)
+      g_owned = param_rows.rows_from_views(self.layout, g_views)
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
       sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
