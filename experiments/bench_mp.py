@@ -201,27 +201,27 @@ def role_single(work: pathlib.Path, name: str) -> None:
   cands, methods = [plan], [FLAGS.planner]
   if FLAGS.choose_lockstep:
     # The program runs in lock step: weigh the planner's plan against the pipeline heuristics'
-    # plans priced that way (jaxhybrid.lockstep.choose), best predicted first.
+    # plans priced that way (as jaxhybrid.lockstep.choose does), best predicted first.
     cands += [planner.place(g, cm, devices=2, microbatches=k, method=m) for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
-    _, cand_s = lockstep.choose(
-      g, cands, cm, pc, pack_max_bytes=_pack_max_bytes(), branch_remat=FLAGS.branch_remat
+  priced = [
+    lockstep.plan_step_s(
+      g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc, branch_remat=FLAGS.branch_remat
     )
-    rank = sorted(range(len(cands)), key=lambda i: (cand_s[i], i))
-    chosen = {"lockstep_candidates": dict(zip(methods, cand_s))}
-  else:
-    rank, chosen = [0], {}
-  # Every candidate the multi role will time, priced as the program runs it (group by group in
-  # lock step, jaxhybrid.lockstep), in predicted order.
+    for c in cands
+  ]
+  rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
+  chosen = (
+    {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}}
+    if FLAGS.choose_lockstep else {}
+  )
+  # Every candidate the multi role will time, in predicted order.
   tuned = []
   for stale in work.glob(f"plan_{name}_*.json"):
     stale.unlink()
   for i in rank[: max(1, FLAGS.autotune)]:
     cands[i].save(work / f"plan_{name}_{len(tuned)}.json")
-    t = lockstep.plan_step_s(
-      g, cands[i], cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc,
-      branch_remat=FLAGS.branch_remat,
-    )
+    t = priced[i]
     tuned.append({
       "plan_method": methods[i], "predicted_step_s": cands[i].predicted_step_s,
       "plan_predicted_speedup": cands[i].predicted_speedup,

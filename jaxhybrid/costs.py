@@ -315,11 +315,7 @@ class ProfiledCostModel(CostModel):
     self.graph = graph
     self.repeats, self.warmup = repeats, warmup
     self.subtract_dispatch = subtract_dispatch
-    if branch_remat not in structure_lib.BRANCH_REMAT_POLICIES:
-      raise ValueError(
-        f"branch_remat={branch_remat!r} is unknown: use one of "
-        f"{', '.join(structure_lib.BRANCH_REMAT_POLICIES)}"
-      )
+    structure_lib.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
     self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
@@ -373,7 +369,7 @@ class ProfiledCostModel(CostModel):
     if entry is None:
       raw = time_node(
         self.graph, node, warmup=self.warmup, repeats=self.repeats,
-        policy=structure_lib.BRANCH_REMAT_POLICIES[self.branch_remat],
+        policy=structure_lib.remat_policy(self.branch_remat),
       )
       self.measured += 1
       entry = {

@@ -33,8 +33,8 @@ against ~600 ms of node work.
 the conditionals' zero-fill: a device writes zeros for every output of another device's tasks
 that leaves the group (`structure.group_outputs`) and, because JAX differentiates `lax.switch`
 by making each branch output all branches' residuals, for their residuals too (forward), and
-zero cotangents for every group operand its own tasks do not read (backward). Z_d(g) counts those bytes from the graph
-(`residual_bytes`). Checked on Inception-V3 small (2-way plan, 43 groups): the count gives 440 MB
+zero cotangents for every group operand its own tasks do not read (backward). Z_d(g) counts
+those bytes from the graph (`residual_bytes`). Checked on Inception-V3 small (2-way plan, 43 groups): the count gives 440 MB
 of conditional outputs per step, the traced program's conditionals output 411 MB (JAX merges
 some residuals of equal shape). With the program's `branch_remat` policy only what it saves
 counts; the recomputation that buys is priced through the node times when they were measured
@@ -261,7 +261,7 @@ def program_step_s(
       count += 1
   param_s = fill_s = 0.0
   cache: dict[int, int] = {}
-  policy = structure_lib.BRANCH_REMAT_POLICIES[branch_remat]
+  policy = structure_lib.remat_policy(branch_remat)
 
   def _residuals(nid: int) -> int:
     if nid not in cache:

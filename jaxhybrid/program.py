@@ -53,7 +53,7 @@ from jaxhybrid.mesh import DATA, MODEL
 # jaxhybrid.structure; re-exported here.
 from jaxhybrid.structure import (  # noqa: F401
   BRANCH_REMAT_POLICIES, DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, group_messages,
-  group_outputs, group_slots, param_layout, plan_order, slots_from_schedule,
+  group_outputs, group_slots, param_layout, plan_order, remat_policy, slots_from_schedule,
 )
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,7 @@ class HybridProgram:
     state_leaves = tuple(jax.tree.leaves(state)) if state is not None else ()
     if len(state_leaves) != n_state:
       raise ValueError(f"the graph reads {n_state} state leaves, got {len(state_leaves)}")
-    if branch_remat not in BRANCH_REMAT_POLICIES:
-      raise ValueError(
-        f"branch_remat={branch_remat!r} is unknown: use one of {', '.join(BRANCH_REMAT_POLICIES)}"
-      )
+    remat_policy(branch_remat)  # validates the name
     names = {n.name: n.id for n in graph.nodes}
     unknown = [r for r in remat if r not in names]
     if unknown:
@@ -380,8 +377,8 @@ class HybridProgram:
         outs = make_branch(0)(ops)
       else:
         branches = [make_branch(d) for d in range(self.layout.devices)]
-        if self.branch_remat != "none":
-          policy = BRANCH_REMAT_POLICIES[self.branch_remat]
+        policy = remat_policy(self.branch_remat)
+        if policy is not None:  # (jax.checkpoint's own policy=None would save nothing)
           branches = [jax.checkpoint(b, policy=policy) for b in branches]
         outs = lax.switch(me, branches, ops)
       for key, o in zip(out_keys, outs):

@@ -204,6 +204,19 @@ BRANCH_REMAT_POLICIES: dict[str, Any] = {
 }
 
 
+def remat_policy(name: str) -> Any:
+  """The `jax.checkpoint` policy of a `branch_remat` name (None for 'none': nothing rematerialised).
+
+  Raises:
+    ValueError: for an unknown name.
+  """
+  if name not in BRANCH_REMAT_POLICIES:
+    raise ValueError(
+      f"branch_remat={name!r} is unknown: use one of {', '.join(BRANCH_REMAT_POLICIES)}"
+    )
+  return BRANCH_REMAT_POLICIES[name]
+
+
 # One message's fixed cost dominates small tensors on slow links (gloo over TCP: ~1 ms), while
 # packing copies the payload once more (a few GB/s on one CPU core). Below this size, a group's
 # transfers that go the same way travel together. Not in the paper (its transfers are single
