@@ -65,21 +65,26 @@ class PlannerOptions:
   # Share of the time limit given to the local-search heuristic with one micro-batch (a warm
   # start only: the decomposition is exact there).
   local_search_share: float = 0.1
-  # Share of the time limit given to the local search with k > 1 micro-batches, where it finds
-  # most of the improvement (the pipelined MILP then starts from its best and proves the bound).
-  pipeline_search_share: float = 0.3
+  # Share of the time limit given to the local search with k > 1 micro-batches: a quick
+  # annealing whose best schedule seeds the CP-SAT search.
+  pipeline_search_share: float = 0.1
   # Share of the time limit given, with k > 1, to the window descent that follows the annealing
   # (heuristics.window_search: every placement of w consecutive nodes, M^w at most
-  # max_window_placements).
-  # Measured on Inception-V3, M = 2, k = 4 (60 s, one thread, gap to the bound): annealing alone
-  # 4.2 and 4.8 %; annealing then descent 3.9, 3.9, 4.4, 4.4 and 5.3 % (runs vary by ~1 %). From an
-  # annealed 0.674 s schedule the descent alone reached 0.665 s in 40 s.
-  window_search_share: float = 0.4
+  # max_window_placements); 0 skips it. Before the CP-SAT search existed it took 0.4 and found
+  # most of the improvement on Inception-V3 (M = 2, k = 4, 60 s: gaps of 3.9-5.3 % against 4.2-4.8
+  # % for annealing alone); CP-SAT now does that job better (see cpsat_share).
+  window_search_share: float = 0.0
   # Most placements the window descent tries per window (sets the window length w).
   max_window_placements: int = 512
   # Independent annealing runs (seeds seed, seed + 1, ...) sharing that time when k > 1: single
   # runs vary by several percent on the paper's graphs, the best of a few much less.
-  search_chains: int = 4
+  search_chains: int = 2
+  # Share of the time limit, with k > 1, for the CP-SAT search (cpsat.py) that starts from the
+  # annealing's best and warm-starts the MILP; 0 turns it off. Measured on Inception-V3 (M = 4,
+  # k = 4, DGX-1 costs, 60 s, two threads): annealing then window descent reached 0.423-0.431 s;
+  # with 40-45 s of CP-SAT from the annealing or a heuristic instead, 0.392-0.402 s in eight
+  # runs.
+  cpsat_share: float = 0.6
   # Share of the time limit for the placement relaxation that bounds the k > 1 makespan
   # (relax.py; it usually solves in well under a second).
   relaxation_share: float = 0.15
@@ -106,7 +111,7 @@ class PlannerOptions:
     if self.method not in METHODS:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
-                 "relaxation_share", "prefix_share"):
+                 "relaxation_share", "prefix_share", "cpsat_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:

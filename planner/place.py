@@ -6,13 +6,14 @@ overlap across those cuts, so the whole graph is planned at once:
      raised by enumerating the devices of the first nodes (bounds.prefix_bound) and by the
      placement relaxation (relax.py);
   2. upper bound: the heuristics, then simulated annealing from the best of them and of the
-     relaxation's placement (`search_chains` runs), then the window descent
-     (heuristics.window_search), stopping once within `gap` of the bound;
+     relaxation's placement (`search_chains` runs), optionally the window descent
+     (heuristics.window_search), then the CP-SAT search (cpsat.py) from the best schedule so far,
+     each stopping once within `gap` of the bound;
   3. the pipelined MILP (milp.py), warm-started from that schedule and given the bound, with the
      time left; skipped when the bound already proves the warm start within `gap`.
-`Plan.lower_bound_s` is the largest of these proven bounds (the MILP's own bound counts only when
-no orderings were fixed, see PlannerOptions.max_free_pairs), and `Plan.gap` is
-(makespan - lower_bound_s) / makespan.
+`Plan.lower_bound_s` is the largest of these proven bounds (CP-SAT's included; the MILP's own
+bound counts only when no orderings were fixed, see PlannerOptions.max_free_pairs), and
+`Plan.gap` is (makespan - lower_bound_s) / makespan.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from jaxhybrid.planner import bounds as bounds_lib
+from jaxhybrid.planner import cpsat
 from jaxhybrid.planner import decompose
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import milp
@@ -160,12 +162,21 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       local = cand if cand.makespan < local.makespan else local
       if local.makespan <= target:
         break
-    if k > 1 and local.makespan > target:
+    if k > 1 and local.makespan > target and opts.window_search_share > 0:
       local = heur.window_search(
         problem, k, caps, local, opts.time_limit_s * opts.window_search_share,
         max_window_placements=opts.max_window_placements, target=target,
       )
     found["local"] = local
+    if (opts.method == "milp" and k > 1 and problem.devices > 1 and opts.cpsat_share > 0
+        and local.makespan > target):
+      found_cp = cpsat.solve(
+        problem, k, warm=local, caps=caps, lower_bound=lower,
+        time_limit_s=opts.time_limit_s * opts.cpsat_share, threads=opts.threads, seed=opts.seed,
+        gap=opts.gap,
+      )
+      lower = max(lower, found_cp.bound)
+      found["cpsat"] = found_cp.candidate
   if not found:
     raise InfeasibleError(
       "No heuristic found a placement within the memory caps "
