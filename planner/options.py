@@ -67,7 +67,7 @@ class PlannerOptions:
   local_search_share: float = 0.1
   # Share of the time limit given to the local search with k > 1 micro-batches: a quick
   # annealing whose best schedule seeds the CP-SAT search.
-  pipeline_search_share: float = 0.1
+  pipeline_search_share: float = 0.05
   # Share of the time limit given, with k > 1, to the window descent that follows the annealing
   # (heuristics.window_search: every placement of w consecutive nodes, M^w at most
   # max_window_placements); 0 skips it. Before the CP-SAT search existed it took 0.4 and found
@@ -84,7 +84,7 @@ class PlannerOptions:
   # k = 4, DGX-1 costs, 60 s, two threads): annealing then window descent reached 0.423-0.431 s;
   # with 40-45 s of CP-SAT from the annealing or a heuristic instead, 0.392-0.402 s in eight
   # runs.
-  cpsat_share: float = 0.6
+  cpsat_share: float = 0.75
   # Share of the time limit for the placement relaxation that bounds the k > 1 makespan
   # (relax.py; it usually solves in well under a second).
   relaxation_share: float = 0.15
