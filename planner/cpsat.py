@@ -14,8 +14,9 @@ CP-SAT works on integers. Every time is scaled by `scale` and rounded DOWN, whic
 integer model a relaxation of the real one: a real schedule with starts s maps to the integer
 starts floor(scale s), which satisfy every rounded-down constraint (floor(a + b) >= floor(a) +
 floor(b)). So CP-SAT's proven bound, divided by `scale`, is a lower bound on the real makespan.
-Its schedules are not used as they are: the placement and each device's order of tasks are
-re-timed with the real times (schedule.retime), so a returned candidate is exactly valid.
+Memory is rounded down and the caps up, for the same reason. Its schedules are not used as they
+are: the placement and each device's order of tasks are re-timed with the real times
+(schedule.retime) and checked against the real caps, so a returned candidate is exactly valid.
 
 OR-Tools and python-mip cannot share a process: both bundle COIN-OR libraries (libOsiClp and
 others) under the same sonames but built differently, so whichever loads second fails to resolve
@@ -145,8 +146,10 @@ def solve(
     delays=[[[math.floor(v * scale) for v in row] for row in T[e]] for e in range(len(T))],
     horizon=_UNITS + 1,  # every improving schedule ends within the warm start's makespan
     lower=max(0, math.floor(lower_bound * scale)),
-    memory=None if caps is None else [math.ceil(v) for v in problem.memory_bytes(k)],
-    caps=None if caps is None else [math.floor(c) for c in caps],
+    # Rounded so that the integer caps relax the real ones (the bound stays valid); schedules
+    # that then overflow a real cap are dropped below.
+    memory=None if caps is None else [math.floor(v) for v in problem.memory_bytes(k)],
+    caps=None if caps is None else [math.ceil(c) for c in caps],
     first_devices=reps,
     hint_assignment=list(hint.assignment),
     hint_starts=[[min(_UNITS + 1, math.floor(v * scale)) for v in row] for row in hint.starts],
@@ -182,7 +185,7 @@ def solve(
       assignment=tuple(assignment), starts=tuple(tuple(r) for r in real),
       makespan=sched.makespan(problem, real),
     )
-    if cand.makespan < best.makespan:
+    if cand.makespan < best.makespan and heur.fits(problem, assignment, k, caps):
       best = cand
   log.debug("cpsat n=%d k=%d M=%d %s best=%.6g bound=%.6g %.1fs", n, k, M, status, best.makespan,
             bound, elapsed)
