@@ -10,6 +10,7 @@ bound (CP-SAT's proven bound on C, or null), objective (its best C), assignment[
 
 import json
 import sys
+import time
 
 from ortools.sat.python import cp_model
 
@@ -60,12 +61,17 @@ def build(data):
   return m, x, s
 
 
-def main():
-  data = json.load(sys.stdin)
-  m, x, s = build(data)
-  solver = cp_model.CpSolver()
+# Share of the time limit for the first phase, CP-SAT's default portfolio (a full search beside
+# the neighbourhood searches: it proves small problems optimal). The rest goes, with two or more
+# workers, to neighbourhood search alone from the best schedule so far: on Inception-V3 (M = 4,
+# k = 4, 40 s, two workers) the default portfolio reached 0.392-0.400 s (mean 0.397 s, 7 runs),
+# neighbourhood search alone 0.389-0.396 s (mean 0.394 s, 7 runs).
+FULL_SEARCH_SHARE = 0.15
+
+
+def _params(solver, data, seconds, lns_only):
   params = solver.parameters
-  params.max_time_in_seconds = data["time_limit_s"]
+  params.max_time_in_seconds = max(0.05, seconds)
   params.random_seed = data["seed"]
   params.relative_gap_limit = data["gap"]
   if data["threads"] <= 1:
@@ -77,15 +83,55 @@ def main():
     params.num_workers = 2
   else:
     params.num_workers = data["threads"]
+    params.use_lns_only = lns_only
+
+
+def main():
+  data = json.load(sys.stdin)
+  start = time.monotonic()
+  m, x, s = build(data)
+  limit = data["time_limit_s"]
+  solver = cp_model.CpSolver()
+  two_phases = data["threads"] > 1
+  _params(solver, data, limit * FULL_SEARCH_SHARE if two_phases else limit, lns_only=False)
   status = solver.solve(m)
-  out = {"status": solver.status_name(status), "bound": None, "assignment": None, "starts": None}
-  if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-    out["bound"] = int(solver.best_objective_bound)
-    out["objective"] = int(solver.objective_value)
-    out["assignment"] = [next(d for d, v in enumerate(row) if solver.value(v)) for row in x]
-    out["starts"] = [[solver.value(v) for v in row] for row in s]
-  elif status == cp_model.UNKNOWN:
-    out["bound"] = int(solver.best_objective_bound)
+  bound = solver.best_objective_bound
+  found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+  best = None
+  if found:
+    best = (solver.objective_value, [[solver.value(v) for v in row] for row in x],
+            [[solver.value(v) for v in row] for row in s])
+  left = limit - (time.monotonic() - start)
+  closed = best is not None and best[0] - bound <= data["gap"] * abs(best[0])
+  if two_phases and status in (cp_model.FEASIBLE, cp_model.UNKNOWN) and not closed and left > 0.5:
+    if best is not None:  # continue from the best schedule
+      m.clear_hints()
+      for row, vals in zip(x, best[1]):
+        for v, val in zip(row, vals):
+          m.add_hint(v, val)
+      for row, vals in zip(s, best[2]):
+        for v, val in zip(row, vals):
+          m.add_hint(v, val)
+    solver = cp_model.CpSolver()
+    _params(solver, data, left, lns_only=True)
+    status = solver.solve(m)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and (
+        best is None or solver.objective_value < best[0]):
+      best = (solver.objective_value, [[solver.value(v) for v in row] for row in x],
+              [[solver.value(v) for v in row] for row in s])
+    if status != cp_model.INFEASIBLE:
+      bound = max(bound, solver.best_objective_bound)
+  out = {"status": solver.status_name(status), "bound": None, "objective": None,
+         "assignment": None, "starts": None}
+  if status == cp_model.INFEASIBLE:
+    json.dump(out, sys.stdout)
+    return
+  out["bound"] = int(bound)
+  if best is not None:
+    out["status"] = "OPTIMAL" if best[0] <= bound else "FEASIBLE"
+    out["objective"] = int(best[0])
+    out["assignment"] = [next(d for d, v in enumerate(row) if v) for row in best[1]]
+    out["starts"] = best[2]
   json.dump(out, sys.stdout)
 
 
