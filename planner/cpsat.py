@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Sequence
 
+from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import decompose
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
@@ -151,6 +152,10 @@ def solve(
     memory=None if caps is None else [math.floor(v) for v in problem.memory_bytes(k)],
     caps=None if caps is None else [math.ceil(c) for c in caps],
     first_devices=reps,
+    # Earliest start of each task and least time from its end to the makespan, valid for every
+    # placement (bounds._earliest): they narrow CP-SAT's domains.
+    release=[[math.floor(v * scale) for v in row] for row in bounds_lib._earliest(problem, k, False)],
+    tail=[[math.floor(v * scale) for v in row] for row in bounds_lib._earliest(problem, k, True)],
     hint_assignment=list(hint.assignment),
     hint_starts=[[min(_UNITS + 1, math.floor(v * scale)) for v in row] for row in hint.starts],
     time_limit_s=max(0.1, time_limit_s - (time.monotonic() - t0) - _STARTUP_S),

@@ -34,6 +34,10 @@ def build(data):
       if c:  # the micro-batches of a node run in order
         m.add(s[i][c] >= s[i][c - 1] + P[i])
     m.add(C >= s[i][k - 1] + P[i])
+    if data.get("release") is not None:  # bounds valid for every placement (bounds._earliest)
+      for c in range(k):
+        m.add(s[i][c] >= data["release"][i][c])
+        m.add(C >= s[i][c] + P[i] + data["tail"][i][c])
   for d in range(M):
     m.add_no_overlap(intervals[d])
     # Redundant: a device's load ends by C (strengthens the linear relaxation).
