@@ -94,6 +94,23 @@ def _unordered_pairs(problem: Problem, k: int) -> list[tuple[tuple[int, int], tu
   return out
 
 
+def new_model(solver: str) -> mip.Model:
+  """An empty minimisation model on `solver` ('cbc' or 'highs').
+
+  Raises:
+    ValueError: 'highs' was asked for and python-mip cannot load HiGHS.
+  """
+  if solver == "cbc":
+    return mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+  try:
+    return mip.Model(sense=mip.MINIMIZE, solver_name="HiGHS")
+  except (FileNotFoundError, OSError, ImportError) as err:
+    raise ValueError(
+      f"solver='highs' but python-mip cannot load HiGHS ({type(err).__name__}); install it with "
+      "`pip install 'jaxhybrid[highs]'` (mip[highs] and highsbox) or use solver='cbc'."
+    ) from err
+
+
 def solve(
   problem: Problem,
   k: int,
@@ -137,9 +154,9 @@ def solve(
   T = problem.transfer_s
   head, tail = sched.heads_tails(problem)
   ub = warm.makespan * (1 + 1e-9) + 1e-12
-  preds, succs = problem.predecessors(), problem.successors()
+  succs = problem.successors()
 
-  m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC if solver == "cbc" else "HiGHS")
+  m = new_model(solver)
   m.verbose = 0
   m.threads = threads
   m.seed = seed

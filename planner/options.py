@@ -39,7 +39,8 @@ class PlannerOptions:
   gap: float = 0.01
   # Per-device memory caps in bytes (one value for all devices, or one per device); None = no cap.
   memory_caps_bytes: int | tuple[int, ...] | None = None
-  # MILP backend: 'cbc' (ships with python-mip) or 'highs' (needs `pip install mip[highs]`).
+  # MILP backend: 'cbc' (ships with python-mip) or 'highs' (`pip install 'jaxhybrid[highs]'`:
+  # mip[highs], plus highsbox, which python-mip 2.0 loads HiGHS from on Linux).
   solver: str = "cbc"
   # Solver cut generation: -1 automatic, 0 off, 1..3 more aggressive. Off by default: on the
   # small disjunctive block models CBC's cuts cost more than they save (measured here: a 9-node

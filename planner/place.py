@@ -116,6 +116,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       "build the problem with the same options."
     )
   k, caps = opts.microbatches, opts.caps()
+  if opts.method == "milp":
+    milp.new_model(opts.solver)  # fails now, not after the heuristics, if the solver is missing
   _check_memory(problem, k, caps)
   lower = bounds_lib.lower_bound(problem, k)
   if opts.method == "milp" and k > 1 and problem.devices > 1:

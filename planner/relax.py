@@ -120,7 +120,7 @@ def solve(
   anc = milp.ancestors(problem)
   before = [[j for j in range(n) if j == i or (anc[i] >> j) & 1] for i in range(n)]
   after = [[j for j in range(n) if j == i or (anc[j] >> i) & 1] for i in range(n)]
-  m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC if solver == "cbc" else "HiGHS")
+  m = milp.new_model(solver)
   m.verbose = 0
   m.threads = threads
   m.seed = seed

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from jaxhybrid import planner
+from jaxhybrid.planner import milp
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
@@ -131,6 +132,27 @@ def test_milp_equals_brute_force_two_microbatches(seed):
   prob = _random_problem(100 + seed, n=3)
   assert _place(prob, microbatches=2).predicted_step_s == pytest.approx(
     _brute_force(prob, 2), rel=1e-7)
+
+
+@pytest.mark.parametrize("seed,k", [(0, 1), (1, 1), (100, 2)])
+def test_highs_solver_equals_brute_force(seed, k):
+  prob = _random_problem(seed, n=5 if k == 1 else 3)
+  plan = _place(prob, microbatches=k, solver="highs", decompose=False)
+  assert plan.solver == "highs"
+  assert plan.predicted_step_s == pytest.approx(_brute_force(prob, k), rel=1e-7)
+
+
+def test_missing_highs_gives_a_clear_error(monkeypatch):
+  real = milp.mip.Model
+
+  def no_highs(*args, solver_name="", **kwargs):
+    if solver_name == "HiGHS":
+      raise FileNotFoundError("HiGHS not found")
+    return real(*args, solver_name=solver_name, **kwargs)
+
+  monkeypatch.setattr(milp.mip, "Model", no_highs)
+  with pytest.raises(ValueError, match=r"jaxhybrid\[highs\]"):
+    planner.place_problem(_random_problem(0, n=3), planner.PlannerOptions(solver="highs"))
 
 
 def _inception_like(blocks: int, devices: int, seed: int = 0, depth: int = 2) -> Problem:
