@@ -80,7 +80,8 @@ def main(argv):
           edges=len({(e.src, e.dst) for e in graph.edges}),
           solve_time_s=time.perf_counter() - start, status=plan.status, gap=plan.gap,
           makespan=plan.predicted_step_s, lower_bound=plan.lower_bound_s,
-          heuristics=dict(plan.heuristics), predicted_speedup=plan.predicted_speedup,
+          heuristics=dict(plan.heuristics), found_by=plan.found_by,
+          predicted_speedup=plan.predicted_speedup,
           single_device_s=plan.single_device_s,
           milp_not_worse=plan.predicted_step_s <= min(plan.heuristics.values()) * (1 + 1e-9),
         )

@@ -190,8 +190,10 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   best = found[best_name]
 
   method, solver, status, bound = opts.method, "none", "heuristic", lower
+  found_by = best_name
   if opts.method != "milp":
     best = found[opts.method]
+    found_by = opts.method
   else:
     solver = opts.solver
     left = opts.time_limit_s - (time.monotonic() - t0)
@@ -203,7 +205,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       )
       bound = max(bound, dec.bound)
       if dec.candidate.makespan <= best.makespan:
-        best = dec.candidate
+        best, found_by = dec.candidate, "milp"
       status = "optimal" if dec.all_optimal else "feasible"
     elif best.makespan <= bound * (1 + opts.gap):
       # The bound already proves the warm start optimal within the tolerance: the MILP could
@@ -226,6 +228,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
                     "(%s).", result.status, left, best_name)
         status = "heuristic"
       else:
+        if result.candidate.makespan < best.makespan:
+          found_by = "milp"
         best = result.candidate
         status = result.status
         if not result.restricted:
@@ -256,6 +260,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     gap=gap,
     solve_time_s=time.monotonic() - t0,
     heuristics=heuristics,
+    found_by=found_by,
     graph_fingerprint=problem.fingerprint,
     cost_source=problem.cost_source,
     hardware=problem.hardware,

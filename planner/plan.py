@@ -50,6 +50,11 @@ class Plan:
   solve_time_s: float
   # Makespan of each heuristic (name -> seconds; absent when it could not respect memory caps).
   heuristics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  # Which search produced the returned schedule: 'milp' for the block decomposition (one
+  # micro-batch) or a pipelined MILP that improved on its warm start's makespan, else the name in
+  # `heuristics` of the schedule returned (e.g. 'cpsat' when the MILP could not beat it); '' in
+  # plans written before this field existed.
+  found_by: str = ""
   # Provenance of the inputs.
   graph_fingerprint: str = ""
   cost_source: str = ""
@@ -135,7 +140,8 @@ class Plan:
     lines = [
       f"Plan: {len(self.node_names)} nodes on {self.devices} devices, "
       f"{self.microbatches} micro-batch(es); method={self.method} solver={self.solver} "
-      f"status={self.status} gap={self.gap:.2%} time={self.solve_time_s:.2f}s",
+      f"status={self.status} gap={self.gap:.2%} time={self.solve_time_s:.2f}s"
+      + (f" found_by={self.found_by}" if self.found_by else ""),
       f"  predicted step {self.predicted_step_s * 1e3:.3f} ms, one device "
       f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.predicted_speedup:.3f}x, "
       f"lower bound {self.lower_bound_s * 1e3:.3f} ms",

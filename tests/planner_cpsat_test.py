@@ -87,6 +87,10 @@ def test_place_runs_the_cpsat_search_before_the_milp():
   plan = planner.place_problem(prob, planner.PlannerOptions(**opts))
   assert "cpsat" in plan.heuristics
   assert plan.predicted_step_s <= plan.heuristics["cpsat"] + 1e-12
+  if plan.found_by == "milp":
+    assert plan.predicted_step_s < min(plan.heuristics.values())
+  else:
+    assert plan.heuristics[plan.found_by] == plan.predicted_step_s
   assert plan.lower_bound_s <= plan.predicted_step_s + 1e-12
   planner.validate_schedule(prob, plan.assignment, plan.schedule, 4)
   off = planner.place_problem(prob, planner.PlannerOptions(**opts, cpsat_share=0.0))

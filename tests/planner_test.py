@@ -219,8 +219,13 @@ def test_json_round_trip_is_exact(tmp_path):
   assert data["schema_version"] == planner.SCHEMA_VERSION
   for key in ("graph_fingerprint", "cost_source", "hardware", "solver", "status", "gap",
               "solve_time_s", "predicted_step_s", "single_device_s", "predicted_speedup",
-              "lower_bound_s", "heuristics"):
+              "lower_bound_s", "heuristics", "found_by"):
     assert key in data
+  assert data["found_by"] == "milp" or data["found_by"] in data["heuristics"]
+  assert "found_by=" in plan.summary()
+  # A plan written before `found_by` existed still loads.
+  older = {k: v for k, v in data.items() if k != "found_by"}
+  assert planner.Plan.from_dict(older).found_by == ""
   (tmp_path / "bad.json").write_text("{not json")
   with pytest.raises(ValueError, match="bad.json"):
     planner.Plan.load(tmp_path / "bad.json")
