@@ -14,6 +14,7 @@ from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
+from planner_bounds_test import _chain_heavy_links, _optimum_any_links, _uneven_links
 from planner_test import _brute_force, _inception_like, _random_problem
 
 
@@ -35,6 +36,28 @@ def test_cpsat_equals_brute_force_two_microbatches(seed):
   # The bound holds for the real (unrounded) times, and is tight up to the rounding.
   assert got.bound <= want + 1e-12
   assert got.bound == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("links", ["uneven", "path"])
+def test_cpsat_equals_brute_force_with_device_dependent_links(seed, links):
+  # 'uneven': a different delay per ordered device pair (no symmetry, the first node may go
+  # anywhere); 'path': devices 0-1-2 in a line, delay x |a - b| (the reversal is a symmetry, so
+  # the first node is restricted to devices 0 and 1).
+  if links == "uneven":
+    prob = _uneven_links(500 + seed, 3, 3)
+  else:
+    base = _chain_heavy_links(500 + seed, 3, 3)
+    prob = dataclasses.replace(base, transfer_s=tuple(
+      tuple(tuple(max(row[1]) * abs(a - b) for b in range(3)) for a in range(3))
+      for row in base.transfer_s))
+    assert cpsat._device_orbits(cpsat._symmetries(prob), 3) == [0, 1]
+  warm = heur.interleaved(prob, 2, None)
+  got = cpsat.solve(prob, 2, warm=warm, time_limit_s=20.0, threads=1)
+  want = _optimum_any_links(prob, 2)
+  _check(prob, got.candidate, 2)
+  assert got.candidate.makespan == pytest.approx(want, rel=1e-6)
+  assert got.bound <= want + 1e-12
 
 
 def test_cpsat_improves_a_pipeline_and_respects_memory_caps():
