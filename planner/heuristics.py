@@ -7,7 +7,9 @@
   programming (PipeDream / GPipe style), each stage on its own device.
 - `interleaved`: round-robin chunks of the node order (an interleaved pipeline, for k > 1).
 - `local`: simulated annealing from the best of the others (one-node, swap and run moves); with
-  k > 1 followed by `window_search`, an exhaustive re-placement of windows of consecutive nodes.
+  k > 1 optionally followed by `window_search` (PlannerOptions.window_search_share), an
+  exhaustive re-placement of windows of consecutive nodes. With the MILP and k > 1 the CP-SAT
+  search (cpsat.py) then starts from it; its result is listed as `cpsat`.
 Each returns a `Candidate` (placement + schedule) or None when it cannot respect the memory caps.
 """
 
