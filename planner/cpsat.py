@@ -42,7 +42,6 @@ from typing import Sequence
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import decompose
 from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
 log = logging.getLogger(__name__)
@@ -140,13 +139,17 @@ def solve(
   group = _symmetries(problem)
   reps = _device_orbits(group, M)
   hint = _relabel(warm, group, reps)
+
+  def units(seconds: float) -> int:  # rounded down: the integer model relaxes the real one
+    return math.floor(seconds * scale)
+
   data = dict(
     k=k, devices=M,
-    durations=[math.floor(v * scale) for v in p],
+    durations=[units(v) for v in p],
     edges=[list(e) for e in problem.edges],
-    delays=[[[math.floor(v * scale) for v in row] for row in T[e]] for e in range(len(T))],
+    delays=[[[units(v) for v in row] for row in T[e]] for e in range(len(T))],
     horizon=_UNITS + 1,  # every improving schedule ends within the warm start's makespan
-    lower=max(0, math.floor(lower_bound * scale)),
+    lower=max(0, units(lower_bound)),
     # Rounded so that the integer caps relax the real ones (the bound stays valid); schedules
     # that then overflow a real cap are dropped below.
     memory=None if caps is None else [math.floor(v) for v in problem.memory_bytes(k)],
@@ -154,10 +157,10 @@ def solve(
     first_devices=reps,
     # Earliest start of each task and least time from its end to the makespan, valid for every
     # placement (bounds._earliest): they narrow CP-SAT's domains.
-    release=[[math.floor(v * scale) for v in row] for row in bounds_lib._earliest(problem, k, False)],
-    tail=[[math.floor(v * scale) for v in row] for row in bounds_lib._earliest(problem, k, True)],
+    release=[[units(v) for v in row] for row in bounds_lib._earliest(problem, k, False)],
+    tail=[[units(v) for v in row] for row in bounds_lib._earliest(problem, k, True)],
     hint_assignment=list(hint.assignment),
-    hint_starts=[[min(_UNITS + 1, math.floor(v * scale)) for v in row] for row in hint.starts],
+    hint_starts=[[min(_UNITS + 1, units(v)) for v in row] for row in hint.starts],
     time_limit_s=max(0.1, time_limit_s - (time.monotonic() - t0) - _STARTUP_S),
     threads=threads, seed=seed, gap=gap,
   )
@@ -185,11 +188,7 @@ def solve(
   best = warm
   if out.get("assignment") is not None:
     assignment = out["assignment"]
-    real = sched.retime(problem, assignment, [[float(v) for v in row] for row in out["starts"]])
-    cand = heur.Candidate(
-      assignment=tuple(assignment), starts=tuple(tuple(r) for r in real),
-      makespan=sched.makespan(problem, real),
-    )
+    cand = heur.retimed(problem, assignment, [[float(v) for v in row] for row in out["starts"]])
     if cand.makespan < best.makespan and heur.fits(problem, assignment, k, caps):
       best = cand
   log.debug("cpsat n=%d k=%d M=%d %s best=%.6g bound=%.6g %.1fs", n, k, M, status, best.makespan,

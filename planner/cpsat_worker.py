@@ -57,12 +57,22 @@ def build(data):
   if n:  # symmetry: the first node on a representative device of each orbit
     m.add_bool_or([x[0][d] for d in data["first_devices"]])
   m.minimize(C)
-  for i in range(n):
-    for d in range(M):
-      m.add_hint(x[i][d], data["hint_assignment"][i] == d)
-    for c in range(k):
-      m.add_hint(s[i][c], data["hint_starts"][i][c])
+  _hint(m, x, s, [[a == d for d in range(M)] for a in data["hint_assignment"]],
+        data["hint_starts"])
   return m, x, s
+
+
+def _hint(m, x, s, x_values, s_values):
+  """Hints every placement literal and start time."""
+  for row, values in zip(x + s, x_values + s_values):
+    for v, value in zip(row, values):
+      m.add_hint(v, value)
+
+
+def _snapshot(solver, x, s):
+  """(objective, placement literal values, starts) of the solver's best solution."""
+  return (solver.objective_value, [[solver.value(v) for v in row] for row in x],
+          [[solver.value(v) for v in row] for row in s])
 
 
 # Share of the time limit for the first phase, CP-SAT's default portfolio (a full search beside
@@ -100,29 +110,19 @@ def main():
   _params(solver, data, limit * FULL_SEARCH_SHARE if two_phases else limit, lns_only=False)
   status = solver.solve(m)
   bound = solver.best_objective_bound
-  found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-  best = None
-  if found:
-    best = (solver.objective_value, [[solver.value(v) for v in row] for row in x],
-            [[solver.value(v) for v in row] for row in s])
+  best = _snapshot(solver, x, s) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
   left = limit - (time.monotonic() - start)
   closed = best is not None and best[0] - bound <= data["gap"] * abs(best[0])
   if two_phases and status in (cp_model.FEASIBLE, cp_model.UNKNOWN) and not closed and left > 0.5:
     if best is not None:  # continue from the best schedule
       m.clear_hints()
-      for row, vals in zip(x, best[1]):
-        for v, val in zip(row, vals):
-          m.add_hint(v, val)
-      for row, vals in zip(s, best[2]):
-        for v, val in zip(row, vals):
-          m.add_hint(v, val)
+      _hint(m, x, s, best[1], best[2])
     solver = cp_model.CpSolver()
     _params(solver, data, left, lns_only=True)
     status = solver.solve(m)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and (
         best is None or solver.objective_value < best[0]):
-      best = (solver.objective_value, [[solver.value(v) for v in row] for row in x],
-              [[solver.value(v) for v in row] for row in s])
+      best = _snapshot(solver, x, s)
     if status != cp_model.INFEASIBLE:
       bound = max(bound, solver.best_objective_bound)
   out = {"status": solver.status_name(status), "bound": None, "objective": None,

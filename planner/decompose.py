@@ -22,8 +22,7 @@ import numpy as np
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import milp
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.heuristics import Candidate
+from jaxhybrid.planner.heuristics import Candidate, retimed
 from jaxhybrid.planner.problem import Problem
 
 log = logging.getLogger(__name__)
@@ -277,11 +276,7 @@ def solve(
         assign[v] = cand.assignment[r]
         starts[v][0] = offset + cand.starts[r][0] - first
     offset += up
-  starts = sched.retime(problem, assign, starts)
-  cand = Candidate(
-    assignment=tuple(assign), starts=tuple(tuple(r) for r in starts),
-    makespan=sched.makespan(problem, starts),
-  )
+  cand = retimed(problem, assign, starts)
   log.info("decomposition: %d cut vertices, %d segments, %d MILP solves, makespan %.6g "
            "(DP %.6g), bound %.6g, %.2fs", len(cut_nodes), len(segments), solves, cand.makespan,
            upper, lower, time.monotonic() - t0)

@@ -54,6 +54,17 @@ def evaluate(problem: Problem, assignment: Sequence[int], k: int) -> Candidate:
   )
 
 
+def retimed(problem: Problem, assignment: Sequence[int], starts: sched.Starts) -> Candidate:
+  """A placement with starts from a solver or a list scheduler, left-shifted on the real times
+  (schedule.retime, which keeps each device's order)."""
+  real = sched.retime(problem, assignment, starts)
+  return Candidate(
+    assignment=tuple(int(d) for d in assignment),
+    starts=tuple(tuple(r) for r in real),
+    makespan=sched.makespan(problem, real),
+  )
+
+
 def single(problem: Problem, k: int, caps: Sequence[float] | None) -> Candidate | None:
   """All nodes on device 0 (the single-device baseline)."""
   assignment = [0] * problem.num_nodes
@@ -117,12 +128,7 @@ def etf(
       waiting[i][c + 1] -= 1
       if not waiting[i][c + 1]:
         ready.append((i, c + 1))
-  starts = sched.retime(problem, assign, starts)
-  return Candidate(
-    assignment=tuple(assign),
-    starts=tuple(tuple(r) for r in starts),
-    makespan=sched.makespan(problem, starts),
-  )
+  return retimed(problem, assign, starts)
 
 
 def contiguous_dp(problem: Problem, k: int, caps: Sequence[float] | None) -> Candidate | None:

@@ -27,7 +27,7 @@ import mip
 
 from jaxhybrid.planner import bounds
 from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.heuristics import Candidate
+from jaxhybrid.planner.heuristics import Candidate, retimed
 from jaxhybrid.planner.problem import Problem
 
 log = logging.getLogger(__name__)
@@ -324,12 +324,7 @@ def solve(
   assign = [
     fixed[i] if i in fixed else max(range(M), key=lambda d: x[i][d].x) for i in range(n)
   ]
-  starts = sched.retime(problem, assign, [[t[i][c].x for c in range(k)] for i in range(n)])
-  cand = Candidate(
-    assignment=tuple(assign),
-    starts=tuple(tuple(r) for r in starts),
-    makespan=sched.makespan(problem, starts),
-  )
+  cand = retimed(problem, assign, [[t[i][c].x for c in range(k)] for i in range(n)])
   if cand.makespan > warm.makespan:
     cand = warm
   optimal = status == mip.OptimizationStatus.OPTIMAL and not restricted

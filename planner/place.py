@@ -116,11 +116,13 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       "build the problem with the same options."
     )
   k, caps = opts.microbatches, opts.caps()
-  if opts.method == "milp":
-    milp.new_model(opts.solver)  # fails now, not after the heuristics, if the solver is missing
+  if opts.method == "milp" and opts.solver == "highs":
+    milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
   _check_memory(problem, k, caps)
+  # The MILP with k > 1 micro-batches on several devices: bounds and searches for pipelines.
+  pipelined = opts.method == "milp" and k > 1 and problem.devices > 1
   lower = bounds_lib.lower_bound(problem, k)
-  if opts.method == "milp" and k > 1 and problem.devices > 1:
+  if pipelined:
     lower = bounds_lib.prefix_bound(
       problem, k, lower, opts.prefix_assignments, opts.time_limit_s * opts.prefix_share
     )
@@ -136,7 +138,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   # k > 1 with the MILP: the placement relaxation raises the bound and seeds the local search.
   seeds = list(found.values())
   relaxation = None
-  if opts.method == "milp" and k > 1 and problem.devices > 1:
+  if pipelined:
     relaxation = relax.solve(
       problem, k, caps=caps, lower_bound=lower, time_limit_s=opts.time_limit_s *
       opts.relaxation_share, threads=opts.threads, seed=opts.seed, solver=opts.solver,
@@ -170,8 +172,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
         max_window_placements=opts.max_window_placements, target=target,
       )
     found["local"] = local
-    if (opts.method == "milp" and k > 1 and problem.devices > 1 and opts.cpsat_share > 0
-        and local.makespan > target):
+    if pipelined and opts.cpsat_share > 0 and local.makespan > target:
       found_cp = cpsat.solve(
         problem, k, warm=local, caps=caps, lower_bound=lower,
         time_limit_s=opts.time_limit_s * opts.cpsat_share, threads=opts.threads, seed=opts.seed,
