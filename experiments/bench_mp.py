@@ -2,7 +2,7 @@ r"""Model-parallel speed on one-core CPU devices: measured vs predicted, and aga
 
     python experiments/bench_mp.py --models=inception_v3,gnmt,biglstm --out=bench_mp.json
 
-Each device is its own process pinned to its own core (jaxhybrid.localcluster), joined by
+Each device is its own process pinned to its own core (jaxhybrid.program.localcluster), joined by
 jax.distributed with gloo collectives; the 1-device baseline is one such process. Per model:
 1. (2 processes) the ppermute link between two such devices is calibrated (alpha, bandwidth);
 2. (1 process) node times are profiled (forward+backward, one core, rematerialised as
@@ -21,7 +21,7 @@ predicted_speedup = predicted_1dev_s / the plan's predicted step, both from prof
 plan's own `plan_predicted_speedup` is against k micro-batches run on one device, which is
 slower than one full batch on a CPU), prediction_error = |pred - meas| / meas;
 predicted_program_speedup / prediction_error_program: the same with the plan priced as the
-program runs it (jaxhybrid.lockstep: group by group in lock step, transfers not overlapped, plus
+program runs it (jaxhybrid.program.lockstep: group by group in lock step, transfers not overlapped, plus
 each device's optimizer update and gradient accumulation and the conditionals' zero-fill, timed
 per byte in the same process; the 1-device side adds the update of all parameters),
 overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
@@ -41,7 +41,7 @@ import time
 # Worker processes pin their core before JAX starts.
 if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver" not in sys.argv:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-  from jaxhybrid import localcluster
+  from jaxhybrid.program import localcluster
 
   localcluster.worker_setup()
 
@@ -159,7 +159,8 @@ def _plain_step(pure, opt):
 def role_calibrate(work: pathlib.Path) -> None:
   import jax
 
-  from jaxhybrid import calibrate, localcluster
+  from jaxhybrid.costs import calibrate
+  from jaxhybrid.program import localcluster
 
   localcluster.worker_init()
   link = calibrate.calibrate_link(jax.devices())
@@ -179,7 +180,9 @@ def role_single(work: pathlib.Path, name: str) -> None:
   import numpy as np
   import optax
 
-  from jaxhybrid import api, costs, graph as graph_lib, lockstep, planner
+  from jaxhybrid import api, costs, planner
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid.program import lockstep
 
   spec, model = _model(name)
   b, k = _batch_k(name)
@@ -201,7 +204,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
   cands, methods = [plan], [FLAGS.planner]
   if FLAGS.choose_lockstep:
     # The program runs in lock step: weigh the planner's plan against the pipeline heuristics'
-    # plans priced that way (as jaxhybrid.lockstep.choose does), best predicted first.
+    # plans priced that way (as jaxhybrid.program.lockstep.choose does), best predicted first.
     cands += [planner.place(g, cm, devices=2, microbatches=k, method=m) for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
   priced = [
@@ -258,7 +261,10 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxhybrid import api, graph as graph_lib, localcluster, mesh as mesh_lib, planner
+  from jaxhybrid import api, planner
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid.program import localcluster
 
   localcluster.worker_init()
   spec, model = _model(name)
@@ -335,7 +341,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
 
 def driver() -> list[dict]:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-  from jaxhybrid import localcluster
+  from jaxhybrid.program import localcluster
 
   work = pathlib.Path(FLAGS.workdir)
   work.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,7 @@ from absl import app, flags
 
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
-from jaxhybrid import models
-from jaxhybrid import planner
+from jaxhybrid import models, planner
 
 _MODELS = flags.DEFINE_list("models", ["inception_v3", "gnmt", "biglstm"], "Models to place.")
 _SIZE = flags.DEFINE_string("size", "paper", "Model size preset.")

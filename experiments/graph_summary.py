@@ -19,8 +19,8 @@ import time
 
 from absl import app, flags
 
-from jaxhybrid import costs, graph, hardware
-from jaxhybrid import models
+from jaxhybrid import costs, graph, models
+from jaxhybrid.costs import hardware
 
 _MODEL = flags.DEFINE_enum("model", "biglstm", list(models.names()), "Model to trace.")
 _SIZE = flags.DEFINE_enum("size", "paper", list(models.SIZES), "Model size preset.")

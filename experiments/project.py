@@ -20,7 +20,9 @@ import os
 
 from absl import app, flags
 
-from jaxhybrid import hardware, paper_scenario, projection, stat_eff
+from jaxhybrid import projection
+from jaxhybrid.costs import hardware
+from jaxhybrid.projection import paper_scenario, stat_eff
 
 _SCENARIO = flags.DEFINE_enum("scenario", None, ["paper"], "All three paper models.")
 _MODEL = flags.DEFINE_enum("model", None, list(paper_scenario.PAPER_MODELS), "One model.")

@@ -6,7 +6,7 @@ On a CPU this runs the tiny model on 32 simulated devices in a few minutes: trac
 plan, one compiled hybrid program, training steps with a progress bar, predicted versus measured
 step time and the DP-vs-hybrid projection; outputs go to --workdir (results.json, plan.json,
 metrics.jsonl, checkpoints/, gantt.png, loss.png, projection.png). Bad input prints one line on
-stderr and exits with status 2. The logic lives in jaxhybrid/runner.py.
+stderr and exits with status 2. The logic lives in jaxhybrid/train/runner.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging
 
-from jaxhybrid import errors, runner
+from jaxhybrid import errors
+from jaxhybrid.train import run_report, runner
 
 _MODEL = flags.DEFINE_string("model", "biglstm", "biglstm | gnmt | inception_v3.")
 _SIZE = flags.DEFINE_string("size", None, "tiny | small | paper (default: paper on GPU, tiny on CPU).")
@@ -67,7 +68,7 @@ def main(argv):
   except errors.UsageError as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(2)
-  print(runner.format_report(results))
+  print(run_report.format_report(results))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import statistics
 
 from absl import app, flags
 
-from jaxhybrid import models, stat_eff
+from jaxhybrid import models
+from jaxhybrid.projection import stat_eff, steps_to_target
 
 _MODEL = flags.DEFINE_enum("model", "biglstm", models.names(), "Model of the generated task.")
 _SIZE = flags.DEFINE_enum("size", "tiny", models.SIZES, "Model preset.")
@@ -79,7 +80,7 @@ def main(argv):
     initial = float(jax.jit(spec.eval_loss_fn or spec.loss_fn)(model, eval_batch))
     target = _FRACTION.value * initial
     logging.info("initial eval loss %.4f -> target %.4f", initial, target)
-  config = stat_eff.StepsToTargetConfig(
+  config = steps_to_target.StepsToTargetConfig(
     target_loss=target,
     max_steps=_MAX_STEPS.value,
     eval_every=_EVAL_EVERY.value,
@@ -88,7 +89,7 @@ def main(argv):
     seed=_SEED.value,
   )
   batches = [int(b) for b in _BATCHES.value]
-  results = stat_eff.steps_to_target(spec, batches, config, eval_batch)
+  results = steps_to_target.steps_to_target(spec, batches, config, eval_batch)
 
   points = [(r.global_batch, r.steps) for r in results if r.steps is not None]
   noise = [r.b_simple for r in results if math.isfinite(r.b_simple) and r.b_simple > 0]

@@ -22,7 +22,8 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging
 
-from jaxhybrid import errors, mesh, runner
+from jaxhybrid import errors, mesh
+from jaxhybrid.train import runner
 
 _MODELS = flags.DEFINE_list("models", ["biglstm"], "Models.")
 _MESHES = flags.DEFINE_list("meshes", ["2x2"], "DATAxMODEL meshes.")

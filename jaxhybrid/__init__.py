@@ -1,13 +1,47 @@
 """jaxhybrid: hybrid data x model parallel training for JAX/Flax (after Pal et al. 2019).
 
-The one-call API is `jaxhybrid.parallelize` (see `jaxhybrid.api`); the parts are the modules
-`graph`, `costs`, `hardware`, `mesh`, `program`, `train`, `projection`, `stat_eff`, and the
-packages `jaxhybrid.planner` and `jaxhybrid.models`.
+The flow, one sub-package per step (each `__init__` says what it owns and may import):
+
+  graph/       a Flax model's forward loss -> OpGraph (nodes, edges, FLOPs, bytes)
+  costs/       node, transfer and all-reduce times on a hardware spec or measured
+  planner      (installed from planner/) DLPlacer: OpGraph + costs -> Plan
+  program/     Plan -> ONE jitted shard_map train step on a (data, model) mesh
+  train/       the training loop, checkpoints, and the run behind experiments/run.py
+  projection/  DP vs hybrid time-to-accuracy at scale, statistical efficiency
+
+`api.parallelize` chains trace -> cost -> place -> compile in one call. Leaf modules shared by
+several steps: `mesh` (the only place a mesh is made), `noise_scale` (gradient noise scale
+estimators), `errors` (one-line user errors). `models` (installed from models/) holds the paper's
+models and data and knows nothing of parallelism.
+
+Sub-packages load on first use, so `import jaxhybrid` stays cheap and does not start a JAX
+backend: `jaxhybrid.mesh.simulate_cpu_devices(8)` still works after it.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+# Public names and the modules they load. `hardware` is a shortcut for `jaxhybrid.costs.hardware`.
+_LAZY = {
+  "api": "jaxhybrid.api",
+  "costs": "jaxhybrid.costs",
+  "errors": "jaxhybrid.errors",
+  "graph": "jaxhybrid.graph",
+  "hardware": "jaxhybrid.costs.hardware",
+  "mesh": "jaxhybrid.mesh",
+  "models": "jaxhybrid.models",
+  "noise_scale": "jaxhybrid.noise_scale",
+  "planner": "jaxhybrid.planner",
+  "program": "jaxhybrid.program",
+  "projection": "jaxhybrid.projection",
+  "train": "jaxhybrid.train",
+}
+
+__all__ = ["parallelize", *sorted(_LAZY)]
 
 
 def parallelize(*args, **kwargs):
@@ -15,3 +49,15 @@ def parallelize(*args, **kwargs):
   from jaxhybrid import api
 
   return api.parallelize(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LAZY:
+    module = importlib.import_module(_LAZY[name])
+    globals()[name] = module
+    return module
+  raise AttributeError(f"module 'jaxhybrid' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))

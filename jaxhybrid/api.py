@@ -27,6 +27,7 @@ import optax
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
+from jaxhybrid.program import structure
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def microbatch_spec(
 def default_costs(hardware: str | None = None):
   """Analytic costs for the named hardware, or for the current backend's device."""
   from jaxhybrid import costs as costs_lib
-  from jaxhybrid import hardware as hw_lib
+  from jaxhybrid.costs import hardware as hw_lib
 
   if hardware is None:
     kind = jax.devices()[0].device_kind.lower()
@@ -239,7 +240,7 @@ def parallelize(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
       f"{g.fingerprint()}: re-plan (or check model size, batch and micro-batches)"
     )
-  order = program_lib.plan_order(plan.schedule)
+  order = structure.plan_order(plan.schedule)
   prog = program_lib.HybridProgram.build(
     g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
     state=state_leaves, per_example=per_example, remat=remat, **(program_options or {}),

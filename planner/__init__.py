@@ -1,11 +1,11 @@
 """DLPlacer: MILP placement of an op graph on the devices of the model axis."""
 
+from jaxhybrid.planner.bounds import lower_bound
 from jaxhybrid.planner.gantt import gantt
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.place import place, place_problem
 from jaxhybrid.planner.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.bounds import lower_bound
 from jaxhybrid.planner.schedule import Task, Transfer, validate_schedule
 
 __all__ = [

@@ -23,11 +23,8 @@ import time
 from typing import Any
 
 from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import cpsat
-from jaxhybrid.planner import decompose
+from jaxhybrid.planner import cpsat, decompose, milp, relax
 from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import milp
-from jaxhybrid.planner import relax
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.plan import Plan

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxhybrid import convs
+from jaxhybrid.graph import convs
 
 CASES = [
   # (lhs shape, rhs shape, dimension numbers, strides, padding, lhs dilation, rhs dilation)

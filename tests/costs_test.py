@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxhybrid import calibrate, costs, graph, hardware, structure
+from jaxhybrid import costs, graph
+from jaxhybrid.costs import calibrate, cost_model, hardware
+from jaxhybrid.graph import remat as remat_lib
 
 F32 = jnp.float32
 
@@ -166,7 +168,7 @@ def _record_time_node(monkeypatch, what):
     calls.append(what(args, kwargs))
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(costs, "time_node", recording)
+  monkeypatch.setattr(cost_model, "time_node", recording)
   return calls
 
 
@@ -190,7 +192,7 @@ def test_profiled_times_are_cached_on_disk(tmp_path, monkeypatch):
   def fail(*args, **kwargs):
     raise AssertionError("a cached node was timed again")
 
-  monkeypatch.setattr(costs, "time_node", fail)
+  monkeypatch.setattr(cost_model, "time_node", fail)
   g2 = _mlp_graph()  # traced again: the same fingerprints
   second = costs.ProfiledCostModel(
     g2, cache_dir=tmp_path, repeats=2, warmup=1, link=link, subtract_dispatch=False
@@ -244,7 +246,7 @@ def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):
   remat.profile_all()
   # The dots-policy model timed every node again, under its policy, and both sets are cached.
   assert remat.measured == len(g.nodes) and seen[:2] == [None, None]
-  assert all(p is structure.BRANCH_REMAT_POLICIES["dots"] for p in seen[2:])
+  assert all(p is remat_lib.BRANCH_REMAT_POLICIES["dots"] for p in seen[2:])
   keys = set(json.loads(plain.cache_path.read_text())["nodes"])
   assert {g.node_fingerprint(n) + "|remat=dots" for n in g.nodes} <= keys
   assert {g.node_fingerprint(n) for n in g.nodes} <= keys

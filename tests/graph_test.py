@@ -15,8 +15,8 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from jaxhybrid import eqn_costs
 from jaxhybrid import graph
+from jaxhybrid.graph import eqn_costs
 
 F32 = jnp.float32
 

@@ -1,4 +1,4 @@
-"""Tests for jaxhybrid.hardware: the DGX-1 cube-mesh, the registry and the measured CPU."""
+"""Tests for jaxhybrid.costs.hardware: the DGX-1 cube-mesh, the registry and the measured CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxhybrid import hardware
+from jaxhybrid.costs import hardware
 
 _GPU_NAMES = ("dgx1-v100", "dgx-a100", "dgx-h100", "dgx-h200")
 

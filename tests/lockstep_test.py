@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import toy
 from flax import nnx
 
-import toy
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
-from jaxhybrid import lockstep
 from jaxhybrid import program as program_lib
 from jaxhybrid.api import microbatch_spec
+from jaxhybrid.graph import remat
+from jaxhybrid.program import lockstep, structure
 
 
 class FixedCosts(costs_lib.CostModel):
@@ -37,8 +38,8 @@ def _towers(k):
 def test_one_device_is_the_sum_of_node_times():
   g = _towers(2)
   assign = [0] * len(g.nodes)
-  slots = program_lib.slots_from_schedule(g, assign, 2)
-  groups = program_lib.group_slots(g, slots)
+  slots = structure.slots_from_schedule(g, assign, 2)
+  groups = structure.group_slots(g, slots)
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
   t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link))
   assert len(groups) == 1 and t.transfers == 0 and t.transfer_s == 0.0
@@ -48,7 +49,7 @@ def test_one_device_is_the_sum_of_node_times():
 def test_towers_on_two_devices_pay_the_busiest_device_and_each_transfer_twice():
   g = _towers(1)
   assign = [0 if n.name.startswith("a") else 1 for n in g.nodes]
-  groups = program_lib.group_slots(g, program_lib.slots_from_schedule(g, assign, 1))
+  groups = structure.group_slots(g, structure.slots_from_schedule(g, assign, 1))
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
   t = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=0)
   # By hand from the groups: busiest device per group, and every cross-device output.
@@ -83,7 +84,7 @@ def test_plan_step_prices_the_groups_the_program_builds():
   plan = planner.place(g, cm, devices=2, microbatches=2, time_limit_s=5)
   prog = program_lib.HybridProgram.build(
     g, mesh_lib.make("1x2"), optax.sgd(0.1), plan.assignment, microbatches=2,
-    order=program_lib.plan_order(plan.schedule),
+    order=structure.plan_order(plan.schedule),
   )
   want = lockstep.program_step_s(g, prog.groups, plan.assignment, cm)
   assert lockstep.plan_step_s(g, plan, cm) == want
@@ -113,7 +114,7 @@ def test_packed_messages_pay_one_link_time_for_their_longest_source():
   g = graph_lib.trace_function(pure, p, s, spec)
   assign = [int(n.name.split("/")[1]) % 2 for n in g.nodes]
   # Price the group of the four first layers alone (towers 0, 2 on device 0; 1, 3 on device 1).
-  groups = [[program_lib.Task(n.id, 0, assign[n.id]) for n in g.nodes if n.name.startswith("first")]]
+  groups = [[structure.Task(n.id, 0, assign[n.id]) for n in g.nodes if n.name.startswith("first")]]
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e6)
   single = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=0)
   packed = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link), pack_max_bytes=1 << 20)
@@ -134,7 +135,7 @@ def test_packed_messages_pay_one_link_time_for_their_longest_source():
 def test_parameter_passes_price_the_busiest_device_linearly_in_bytes():
   g = _towers(2)
   assign = [0 if n.name.startswith("a") else 1 for n in g.nodes]
-  groups = program_lib.group_slots(g, program_lib.slots_from_schedule(g, assign, 2))
+  groups = structure.group_slots(g, structure.slots_from_schedule(g, assign, 2))
   link = costs_lib.Link(alpha_s=1e-3, bandwidth_bytes_s=1e9)
   pc = lockstep.PassCosts(update_s_per_byte=1e-6, add_s_per_byte=1e-7)
   base = lockstep.program_step_s(g, groups, assign, FixedCosts(0.01, link))
@@ -166,7 +167,7 @@ def test_zero_fill_counts_the_other_devices_outputs_residuals_and_parameter_cota
   g = _towers(1)
   first = {n.name.split("/")[0]: n for n in g.nodes if n.name.endswith("l1")}
   a, b = first["a"], first["b"]
-  group = [program_lib.Task(a.id, 0, 0), program_lib.Task(b.id, 0, 1)]
+  group = [structure.Task(a.id, 0, 0), structure.Task(b.id, 0, 1)]
   fake = lambda nid: 1000 * (nid + 1)  # noqa: E731 (residual bytes per node, made up)
   fill = lockstep.zero_fill_bytes(g, group, 2, fake)
   out = lambda n: sum(int(np.prod(v.aval.shape)) * 4 for v in n.outvars)  # noqa: E731
@@ -201,7 +202,7 @@ def test_zero_fill_leaves_out_values_kept_inside_the_group():
   g = _towers(1)
   first = {n.name.split("/")[0]: n for n in g.nodes if n.name.endswith("l1")}
   a, b = first["a"], first["b"]
-  group = [program_lib.Task(a.id, 0, 0), program_lib.Task(b.id, 0, 1)]
+  group = [structure.Task(a.id, 0, 0), structure.Task(b.id, 0, 1)]
   none = lambda nid: 0  # noqa: E731
   every = lockstep.zero_fill_bytes(g, group, 2, none)
   only_b = lockstep.zero_fill_bytes(g, group, 2, none, outputs={(v, 0) for v in b.outvars})
@@ -212,7 +213,7 @@ def test_zero_fill_leaves_out_values_kept_inside_the_group():
 def test_residual_bytes_under_remat_policies():
   g = _towers(1)
   node = next(n for n in g.nodes if n.name.endswith("l1"))
-  policies = program_lib.BRANCH_REMAT_POLICIES
+  policies = remat.BRANCH_REMAT_POLICIES
   dots = sum(
     int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
     for e in g.node_jaxpr(node).jaxpr.eqns if e.primitive.name == "dot_general" for v in e.outvars

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-
 import toy
+from flax import nnx
 from program_test import assert_matches_reference, build, split_lstm
-from jaxhybrid import optim
+
+from jaxhybrid.train import optim
 
 
 def test_outside_the_program_it_is_optax_clipping():

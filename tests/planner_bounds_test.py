@@ -7,14 +7,12 @@ import itertools
 import random
 
 import pytest
+from planner_test import _brute_force
 
-from jaxhybrid.planner import bounds
-from jaxhybrid.planner import milp
-from jaxhybrid.planner import relax
+from jaxhybrid.planner import bounds, milp, relax
 from jaxhybrid.planner.options import PlannerOptions
 from jaxhybrid.planner.place import place_problem
 from jaxhybrid.planner.problem import Problem
-from planner_test import _brute_force
 
 
 def _chain_heavy_links(seed: int, n: int, devices: int) -> Problem:

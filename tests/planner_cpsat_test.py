@@ -7,15 +7,14 @@ import logging
 import subprocess
 
 import pytest
+from planner_bounds_test import _chain_heavy_links, _optimum_any_links, _uneven_links
+from planner_test import _brute_force, _inception_like, _random_problem
 
 from jaxhybrid import planner
 from jaxhybrid.planner import cpsat
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
-
-from planner_bounds_test import _chain_heavy_links, _optimum_any_links, _uneven_links
-from planner_test import _brute_force, _inception_like, _random_problem
 
 
 def _check(prob: Problem, cand: heur.Candidate, k: int, caps=None) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from planner_test import _brute_force, _inception_like, _place, _random_problem
 
 from jaxhybrid import planner
-from jaxhybrid.planner import bounds
+from jaxhybrid.planner import bounds, relax
 from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import relax
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
-from planner_test import _brute_force, _inception_like, _place, _random_problem
 
 
 def _layer_stack() -> Problem:

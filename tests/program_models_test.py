@@ -18,10 +18,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxhybrid import api
+from jaxhybrid import api, models
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
-from jaxhybrid import models
 
 STEPS = 3
 PER_CHUNK = 2  # examples per micro-batch

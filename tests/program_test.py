@@ -8,13 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import nnx
 
-import toy
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
 from jaxhybrid.api import microbatch_spec
+from jaxhybrid.program import structure
 
 STEPS = 3
 
@@ -204,7 +205,7 @@ def test_packed_transfers_match_reference_and_use_fewer_permutes(mesh_spec, k):
   for n in prog.graph.nodes:
     for v in n.invars:
       consumers.setdefault(v, set()).add(prog.assignment[n.id])
-  messages = [m for grp in prog.groups for m in program_lib.group_messages(prog.graph, grp, consumers, M, prog.pack_max_bytes)]
+  messages = [m for grp in prog.groups for m in structure.group_messages(prog.graph, grp, consumers, M, prog.pack_max_bytes)]
   assert any(len(m.payloads) > 1 for m in messages), "some message should carry several sources"
   assert any(len(keys) > 1 for m in messages for keys in m.payloads.values())
   if M == 4:
@@ -256,7 +257,7 @@ def test_group_outputs_are_read_later_or_the_loss():
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
   prog, _, _, _ = build(model, toy.lstm_loss, toy.lstm_batch(16), "1x2", split_lstm, 2, optax.sgd(0.1))
   g = prog.graph
-  outs = program_lib.group_outputs(g, prog.groups)
+  outs = structure.group_outputs(g, prog.groups)
   loss = g.jaxpr.outvars[0]
   kept = dropped = 0
   for i, (tasks, keys) in enumerate(zip(prog.groups, outs)):

@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from jaxhybrid import hardware, paper_scenario, projection, stat_eff
+from jaxhybrid import projection
+from jaxhybrid.costs import hardware
+from jaxhybrid.projection import paper_scenario, stat_eff
 
 V100 = hardware.get("dgx1-v100")
 A100 = hardware.get("dgx-a100")

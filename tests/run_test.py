@@ -1,4 +1,4 @@
-"""experiments/run.py and jaxhybrid/runner.py: outputs, bad input (exit 2, one line), SIGKILL + resume.
+"""experiments/run.py and jaxhybrid/train/runner.py: outputs, bad input (exit 2, one line), SIGKILL + resume.
 
 Most bad-input cases run in-process through the runner (a typed UsageError, which run.py turns
 into exit status 2); a few run the real entry point as a subprocess.
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from jaxhybrid import errors
-from jaxhybrid import runner
+from jaxhybrid.train import run_data, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "experiments", "run.py")
@@ -51,12 +51,12 @@ def test_data_is_a_function_of_seed_and_step():
   from jaxhybrid import models
 
   spec = models.get("biglstm", "tiny")
-  f = runner.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
-  g = runner.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
+  f = run_data.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
+  g = run_data.make_batch_fn(spec, "synthetic", seed=3, global_batch=8)
   assert (f(5)["inputs"] == g(5)["inputs"]).all()
   assert not (f(5)["inputs"] == f(6)["inputs"]).all()
   with pytest.raises(errors.UsageError, match="--data='nope'"):
-    runner.make_batch_fn(spec, "nope", seed=3, global_batch=8)
+    run_data.make_batch_fn(spec, "nope", seed=3, global_batch=8)
 
 
 # Inception-V3 tiny takes ~2-3 minutes here (tracing ~60 s, compiling ~50 s): marked slow.

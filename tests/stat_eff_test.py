@@ -1,4 +1,4 @@
-"""Tests for jaxhybrid.stat_eff: noise-scale estimators, smoother, SE curves, steps-to-target."""
+"""Tests for jaxhybrid.noise_scale and jaxhybrid.projection (stat_eff, steps_to_target)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxhybrid import stat_eff
+from jaxhybrid import noise_scale
+from jaxhybrid.projection import stat_eff, steps_to_target
 
 
 def test_estimates_hand_computed():
   # |G|^2 = 4, tr(Sigma) = 8: E|G_b|^2 = 4 + 8/b -> 8 at b=2, 5 at b=8.
-  g2, tr = stat_eff.noise_scale_estimates(8.0, 5.0, 2, 8)
+  g2, tr = noise_scale.noise_scale_estimates(8.0, 5.0, 2, 8)
   assert float(g2) == pytest.approx(4.0)
   assert float(tr) == pytest.approx(8.0)
-  assert float(stat_eff.b_simple(g2, tr)) == pytest.approx(2.0)
+  assert float(noise_scale.b_simple(g2, tr)) == pytest.approx(2.0)
 
 
 def test_estimator_is_unbiased_on_synthetic_problem():
@@ -31,28 +32,28 @@ def test_estimator_is_unbiased_on_synthetic_problem():
   worker_grads = g_true + sigma * z.mean(axis=2)  # [trials, workers, d], batch b each
   small = np.mean(np.sum(worker_grads**2, axis=-1), axis=1)  # mean over workers of |g_w|^2
   big = np.sum(worker_grads.mean(axis=1) ** 2, axis=-1)  # |mean over workers|^2, batch W b
-  g2, tr = stat_eff.noise_scale_estimates(small, big, b, workers * b)
+  g2, tr = noise_scale.noise_scale_estimates(small, big, b, workers * b)
   g2, tr = np.asarray(g2, np.float64), np.asarray(tr, np.float64)
   for est, truth in ((g2, 5.0), (tr, 80.0)):
     stderr = est.std() / math.sqrt(trials)
     assert abs(est.mean() - truth) < 4 * stderr
     assert est.mean() == pytest.approx(truth, rel=0.05)
   # Smoothed ratio of the averages recovers B_simple = 16 (a ratio of means, not a mean of ratios).
-  state = stat_eff.init_noise_scale()
-  update = jax.jit(functools.partial(stat_eff.update_noise_scale, decay=0.999))
+  state = noise_scale.init_noise_scale()
+  update = jax.jit(functools.partial(noise_scale.update_noise_scale, decay=0.999))
   for a, c in zip(g2, tr):
     state = update(state, a, c)
-  assert float(stat_eff.smoothed_noise_scale(state, 0.999)) == pytest.approx(16.0, rel=0.1)
+  assert float(noise_scale.smoothed_noise_scale(state, 0.999)) == pytest.approx(16.0, rel=0.1)
 
 
 def test_smoother_debiases_and_counts():
-  state = stat_eff.init_noise_scale()
-  assert math.isnan(float(stat_eff.smoothed_noise_scale(state)))
+  state = noise_scale.init_noise_scale()
+  assert math.isnan(float(noise_scale.smoothed_noise_scale(state)))
   for _ in range(3):
-    state = stat_eff.update_noise_scale(state, 2.0, 50.0, decay=0.9)
+    state = noise_scale.update_noise_scale(state, 2.0, 50.0, decay=0.9)
   assert int(state.count) == 3
   assert float(state.g2) == pytest.approx(2.0 * (1 - 0.9**3))
-  assert float(stat_eff.smoothed_noise_scale(state, 0.9)) == pytest.approx(25.0)
+  assert float(noise_scale.smoothed_noise_scale(state, 0.9)) == pytest.approx(25.0)
 
 
 def test_data_axis_estimates_in_shard_map():
@@ -66,7 +67,7 @@ def test_data_axis_estimates_in_shard_map():
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data", "model"), out_specs=P())
   def step(local):
     mean = jax.lax.pmean(local, "data")
-    g2, tr = stat_eff.data_axis_estimates(
+    g2, tr = noise_scale.data_axis_estimates(
       {"w": local}, {"w": mean}, per_worker_batch=8, workers=4, model_axis="model"
     )
     return jnp.stack([g2, tr])
@@ -74,16 +75,16 @@ def test_data_axis_estimates_in_shard_map():
   got = np.asarray(jax.jit(step)(grads))
   small = np.mean(np.sum(grads**2, axis=(1, 2)))
   big = np.sum(grads.mean(axis=0) ** 2)
-  want = stat_eff.noise_scale_estimates(small, big, 8, 32)
+  want = noise_scale.noise_scale_estimates(small, big, 8, 32)
   np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5)
   with pytest.raises(ValueError, match="workers=1"):
-    stat_eff.data_axis_estimates({}, {}, per_worker_batch=8, workers=1)
+    noise_scale.data_axis_estimates({}, {}, per_worker_batch=8, workers=1)
 
 
 def test_tree_sq_norm():
   tree = {"a": jnp.ones((2, 3)), "b": [jnp.full((4,), 2.0)]}
-  assert float(stat_eff.tree_sq_norm(tree)) == pytest.approx(6 + 16)
-  assert float(stat_eff.tree_sq_norm({})) == 0.0
+  assert float(noise_scale.tree_sq_norm(tree)) == pytest.approx(6 + 16)
+  assert float(noise_scale.tree_sq_norm({})) == 0.0
 
 
 def test_se_curves():
@@ -148,11 +149,11 @@ class _LinearSpec:
 
 def test_steps_to_target_on_linear_regression():
   spec = _LinearSpec()
-  config = stat_eff.StepsToTargetConfig(
+  config = steps_to_target.StepsToTargetConfig(
     target_loss=1.0, max_steps=400, eval_every=5, learning_rates=(0.05,), noise_chunks=4
   )
   lines = []
-  results = stat_eff.steps_to_target(
+  results = steps_to_target.steps_to_target(
     spec, (4, 64), config, spec.generated_task(10**9, 512), progress=lines.append
   )
   assert [r.global_batch for r in results] == [4, 64] and len(lines) == 2
@@ -160,4 +161,4 @@ def test_steps_to_target_on_linear_regression():
   assert results[1].steps <= results[0].steps
   assert results[1].b_simple > 0 and math.isfinite(results[1].b_simple)
   with pytest.raises(ValueError, match="learning_rates"):
-    stat_eff.StepsToTargetConfig(target_loss=1.0, learning_rates=())
+    steps_to_target.StepsToTargetConfig(target_loss=1.0, learning_rates=())

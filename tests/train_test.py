@@ -9,13 +9,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import nnx
 
-import toy
-from jaxhybrid import api
-from jaxhybrid import checkpoint
-from jaxhybrid import errors
-from jaxhybrid import train
+from jaxhybrid import api, errors, train
+from jaxhybrid.train import checkpoint
 
 GLOBAL_BATCH = 8
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxhybrid.mesh import MODEL
-from jaxhybrid.structure import Message
+from jaxhybrid.program.structure import Message
 
 
 def send(env: dict[tuple[Any, int], jax.Array], msg: Message, me: jax.Array, devices: int) -> None:

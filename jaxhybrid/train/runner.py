@@ -31,8 +31,8 @@ import numpy as np
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
-from jaxhybrid.run_data import DATA_KINDS, make_batch_fn, step_seed  # noqa: F401 (re-exported)
-from jaxhybrid.run_report import format_report, plot_loss  # noqa: F401 (re-exported)
+from jaxhybrid.train.run_data import make_batch_fn
+from jaxhybrid.train.run_report import plot_loss
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RunConfig:
   planner: str = "milp"
   # Planner wall-clock budget, seconds.
   time_limit_s: float = 30.0
-  # Hardware profile of the analytic cost model (jaxhybrid.hardware names); None = detect.
+  # Hardware profile of the analytic cost model (jaxhybrid.costs.hardware names); None = detect.
   hardware: str | None = None
   # Training data: 'generated' (a learnable task, the default so a short run shows learning),
   # 'synthetic' (random labels: nothing to learn, for timing) or a path.
@@ -82,7 +82,7 @@ class RunConfig:
   # DEFAULT_LEARNING_RATE otherwise.
   optimizer: str = "adam"
   learning_rate: float | None = None
-  # Clip gradients to this global L2 norm over all devices' parameters (jaxhybrid.optim); 0: off.
+  # Clip gradients to this global L2 norm over all devices' parameters (jaxhybrid.train.optim); 0: off.
   clip_norm: float = 0.0
   # Checkpoint every this many steps (0: only at the end).
   checkpoint_every: int = 10
@@ -180,7 +180,7 @@ def _resolve(config: RunConfig) -> RunConfig:
   size = config.size or ("paper" if on_gpu else "tiny")
   batch = config.batch
   if batch is None:
-    from jaxhybrid import paper_scenario
+    from jaxhybrid.projection import paper_scenario
 
     paper = paper_scenario.PAPER_MODELS.get(config.model)
     batch = paper.per_gpu_batch if on_gpu and paper else 4
@@ -200,9 +200,8 @@ def validate(config: RunConfig) -> None:
   Raises:
     UsageError: naming the bad value and the fix.
   """
-  from jaxhybrid import api
-  from jaxhybrid import hardware
-  from jaxhybrid import models
+  from jaxhybrid import api, models
+  from jaxhybrid.costs import hardware
 
   if config.model not in models.names():
     raise errors.UsageError(f"--model={config.model!r} is unknown: use one of {', '.join(models.names())}")
@@ -285,7 +284,7 @@ def _config_json(config: RunConfig) -> dict[str, Any]:
 def _optimizer(config: RunConfig):
   import optax
 
-  from jaxhybrid import optim
+  from jaxhybrid.train import optim
 
   opt = getattr(optax, config.optimizer)(config.learning_rate)
   return optax.chain(optim.clip_by_global_norm(config.clip_norm), opt) if config.clip_norm else opt
@@ -303,8 +302,7 @@ def build(config: RunConfig):
   """
   from flax import nnx
 
-  from jaxhybrid import api
-  from jaxhybrid import models
+  from jaxhybrid import api, models
   from jaxhybrid import planner as planner_lib
 
   try:
@@ -348,12 +346,12 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
   shard.
 
   The per-worker step is the lock-step price of the plan as the program runs it
-  (`jaxhybrid.lockstep`: groups in lock step, transfers not overlapping compute; the optimizer
+  (`jaxhybrid.program.lockstep`: groups in lock step, transfers not overlapping compute; the optimizer
   and zero-fill passes are left out, they need timing on the device); `plan_step_s` keeps the
   plan's own asynchronous schedule for comparison.
   """
   from jaxhybrid import api
-  from jaxhybrid import lockstep
+  from jaxhybrid.program import lockstep
 
   costs = api.default_costs(hardware)
   prog = hybrid.program
@@ -376,9 +374,9 @@ def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
   S_MP comes from this run's plan when it was made at paper size on a DGX profile; otherwise the
   paper scenario's default S_MP(2) is used (a tiny model's S_MP says nothing about the paper's).
   """
-  from jaxhybrid import hardware
-  from jaxhybrid import paper_scenario
   from jaxhybrid import projection
+  from jaxhybrid.costs import hardware
+  from jaxhybrid.projection import paper_scenario
 
   hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
   hw = hardware.get(hw_name)
@@ -421,10 +419,10 @@ def run(config: RunConfig) -> dict[str, Any]:
   """
   import jax
 
-  from jaxhybrid import checkpoint
   from jaxhybrid import planner as planner_lib
   from jaxhybrid import projection as projection_lib
-  from jaxhybrid import train
+  from jaxhybrid.train import checkpoint
+  from jaxhybrid.train import loop as train
 
   validate(config)
   config = _resolve(config)

@@ -53,7 +53,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str = MODEL) -> optax.Gradie
 
   Scales the updates by min(1, max_norm / global_norm) (Pascanu et al. 2013), with the norm of
   `global_norm` above. Use it in place of `optax.clip_by_global_norm` with
-  `jaxhybrid.parallelize`, e.g. `optax.chain(jaxhybrid.optim.clip_by_global_norm(5.0),
+  `jaxhybrid.parallelize`, e.g. `optax.chain(jaxhybrid.train.optim.clip_by_global_norm(5.0),
   optax.adam(1e-3))` (GNMT clips at 5, Wu et al. 2016).
 
   Raises:

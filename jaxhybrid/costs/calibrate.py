@@ -20,9 +20,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
+from jaxhybrid.costs import cost_model as costs_lib
+from jaxhybrid.costs import links
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def calibrate_link(
   sizes: Sequence[int] = DEFAULT_SIZES,
   warmup: int = 2,
   repeats: int = 5,
-) -> costs_lib.Link:
+) -> links.Link:
   """Fits `alpha + n / bandwidth` to timed ring `ppermute`s along one mesh axis.
 
   Every device sends `n` bytes to the next one along `axis` at once, so the fit is of a link
@@ -90,7 +91,7 @@ def calibrate_link(
     log.warning("ppermute times do not grow with size (%s): bandwidth fit unreliable", times)
     slope = max(float(np.max(times)) / sent[-1], 1e-15)
   dev = mesh.devices.flat[0]
-  link = costs_lib.Link(
+  link = links.Link(
     alpha_s=max(float(intercept), 0.0),
     bandwidth_bytes_s=float(1.0 / slope),
     source=(

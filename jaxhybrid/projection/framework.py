@@ -11,9 +11,9 @@ N devices, M devices per worker, W = N / M workers, per-worker batch b, global b
   T_train(N, M)    = E(B) (D / B) T_step = T_train(1, 1) / S                 (time-to-accuracy)
   crossover N*     = the smallest N with S_hyb(N, M) >= S_DP(N)
 
-T_step(1) = T_comp(b): one device, no communication. SE curves live in `jaxhybrid.stat_eff`.
+T_step(1) = T_comp(b): one device, no communication. SE curves live in `jaxhybrid.projection.stat_eff`.
 
-The all-reduce runs over the hardware's topology (`jaxhybrid.hardware`): a flat ring whose
+The all-reduce runs over the hardware's topology (`jaxhybrid.costs.hardware`): a flat ring whose
 bottleneck is the slower of the node's NVLink ring and the node's NICs, or hierarchically
 (reduce-scatter inside the node, all-reduce of the shards between nodes, all-gather inside), or
 whichever is faster ('auto'). Under hybrid parallelism the M devices of a worker own disjoint
@@ -30,10 +30,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxhybrid import hardware as hw_lib
-from jaxhybrid import stat_eff
-# Reports (table, plot) and reading S_MP from planner outputs: jaxhybrid.projection_io.
-from jaxhybrid.projection_io import format_table, plot, s_mp_from_json  # noqa: F401
+from jaxhybrid.costs import hardware as hw_lib
+from jaxhybrid.projection import stat_eff
 
 _REL_TOL = 1e-9  # S_hyb >= S_DP is tested with this relative slack (float rounding)
 

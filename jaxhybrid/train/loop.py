@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from jaxhybrid import errors
-from jaxhybrid import stat_eff
+from jaxhybrid import noise_scale as noise_lib
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class NoiseScaleOptions:
   per_worker_batch: int
   # W: data-parallel workers (the estimate needs W >= 2).
   workers: int
-  # EMA decay of the two estimates (assumption: ~100-step average; see stat_eff).
+  # EMA decay of the two estimates (assumption: ~100-step average; see jaxhybrid.noise_scale).
   decay: float = 0.99
 
 
@@ -114,7 +114,7 @@ def fit(
     batch_fn: step index -> global batch (deterministic).
     steps: total steps of the run (not of this call).
     start_step: steps already done (0, or the restored checkpoint's step).
-    checkpointer: a `jaxhybrid.checkpoint.Checkpointer` (or None: no checkpoints).
+    checkpointer: a `jaxhybrid.train.checkpoint.Checkpointer` (or None: no checkpoints).
     metrics_path: metrics.jsonl to append to (None: not written).
     progress: draw a tqdm progress bar (loss, steps/s).
     noise_scale: estimate the gradient noise scale when the step's metrics carry
@@ -130,7 +130,7 @@ def fit(
   primary = jax.process_index() == 0
   rows: list[dict[str, float]] = []
   times: list[float] = []
-  ema = stat_eff.init_noise_scale() if noise_scale else None
+  ema = noise_lib.init_noise_scale() if noise_scale else None
   bar = _progress(steps, start_step, progress and primary)
   out = open(metrics_path, "a") if metrics_path and primary else None  # noqa: SIM115
   try:
@@ -158,10 +158,10 @@ def fit(
         row["grad_sq_norm"] = float(metrics["grad_sq_norm"])
       if noise_scale and noise_scale.workers >= 2 and "worker_grad_sq_norm" in metrics:
         b = noise_scale.per_worker_batch
-        g2, tr = stat_eff.noise_scale_estimates(
+        g2, tr = noise_lib.noise_scale_estimates(
           metrics["worker_grad_sq_norm"], metrics["grad_sq_norm"], b, noise_scale.workers * b)
-        ema = stat_eff.update_noise_scale(ema, g2, tr, noise_scale.decay)
-        row["noise_scale"] = float(stat_eff.smoothed_noise_scale(ema, noise_scale.decay))
+        ema = noise_lib.update_noise_scale(ema, g2, tr, noise_scale.decay)
+        row["noise_scale"] = float(noise_lib.smoothed_noise_scale(ema, noise_scale.decay))
       rows.append(row)
       if out is not None:
         out.write(json.dumps(row) + "\n")

@@ -20,11 +20,11 @@ leaves from its own row at static offsets. A leaf read on several devices is *sh
 its gradient summed over 'model'. Optimizer state follows its parameters. Elementwise optimizers
 (SGD, Adam, AdaGrad, ...) therefore act on exactly the right values; transforms that need a
 global view of the parameters would see only one device's share: for global-norm clipping use
-`jaxhybrid.optim.clip_by_global_norm`, which reduces over 'model'.
+`jaxhybrid.train.optim.clip_by_global_norm`, which reduces over 'model'.
 
-The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.structure;
-the parameter rows are packed and viewed by jaxhybrid.param_rows; messages run in
-jaxhybrid.transfers.
+The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.program.structure;
+the parameter rows are packed and viewed by jaxhybrid.program.param_rows; messages run in
+jaxhybrid.program.transfers.
 """
 
 from __future__ import annotations
@@ -43,17 +43,21 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxhybrid import convs
 from jaxhybrid import graph as graph_lib
-from jaxhybrid import param_rows
-from jaxhybrid import transfers
-from jaxhybrid import stat_eff
+from jaxhybrid import noise_scale as noise_lib
+from jaxhybrid.graph import convs
+from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import DATA, MODEL
-# The static structure (parameter layout; schedule -> slots -> groups -> messages) lives in
-# jaxhybrid.structure; re-exported here.
-from jaxhybrid.structure import (  # noqa: F401
-  BRANCH_REMAT_POLICIES, DEFAULT_PACK_MAX_BYTES, Message, ParamLayout, Task, group_messages,
-  group_outputs, group_slots, param_layout, plan_order, remat_policy, slots_from_schedule,
+from jaxhybrid.program import param_rows, transfers
+from jaxhybrid.program.structure import (
+  DEFAULT_PACK_MAX_BYTES,
+  ParamLayout,
+  Task,
+  group_messages,
+  group_outputs,
+  group_slots,
+  param_layout,
+  slots_from_schedule,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +133,7 @@ class HybridProgram:
   per_example: tuple[bool, ...]
   state_leaves: tuple[Any, ...]
   remat: frozenset[int]
-  # Replay convolutions in the canonical layout (see jaxhybrid/convs.py); on for CPU meshes.
+  # Replay convolutions in the canonical layout (see jaxhybrid/graph/convs.py); on for CPU meshes.
   canonical_convs: bool = False
   # Transfers of one group smaller than this many bytes travel packed, one ppermute per direction
   # (see `group_messages`); 0 sends every tensor on its own.
@@ -170,7 +174,7 @@ class HybridProgram:
         whose leading dimension equals the traced micro-batch size).
       remat: node names to rematerialise in the backward pass.
       canonical_convs: replay convolutions in the canonical NHWC/HWIO layout, backward included
-        (`jaxhybrid.convs`). XLA:CPU leaves convolutions inside conditional branches in the
+        (`jaxhybrid.graph.convs`). XLA:CPU leaves convolutions inside conditional branches in the
         layout autodiff wrote, which runs their gradients ~6x slower; None = on when the mesh's
         devices are CPUs.
       pack_max_bytes: a group's transfers below this size share one ppermute per direction
@@ -450,7 +454,7 @@ class HybridProgram:
       )
       metrics = {"loss": loss, "grad_sq_norm": sq_global, "worker_grad_sq_norm": sq_worker}
       if W > 1:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
-        g2, tr = stat_eff.noise_scale_estimates(sq_worker, sq_global, b, W * b)
+        g2, tr = noise_lib.noise_scale_estimates(sq_worker, sq_global, b, W * b)
         metrics.update(noise_g2=g2, noise_trace_sigma=tr)
       return TrainState(params, opt_state, ts.step + 1), metrics
 

@@ -11,9 +11,9 @@ later one. A module called twice becomes two nodes that share parameters.
 Each node keeps its equations, so a program can replay it (`OpGraph.node_fn`); this is how the
 hybrid program evaluates the forward node by node on different devices.
 
-Costs per node are of the forward pass, summed from `jaxhybrid.eqn_costs`; a cost model turns
+Costs per node are of the forward pass, summed from `jaxhybrid.graph.eqn_costs`; a cost model turns
 them into forward + backward time (see `jaxhybrid.costs`). NNX models are traced through
-`jaxhybrid.flax_adapters`.
+`jaxhybrid.graph.flax_adapters`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from jaxhybrid.eqn_costs import EqnCost, aval_bytes, eqn_cost
-# The Flax adapters are part of this module's API (graph.nnx_pure_loss, ...).
-from jaxhybrid.flax_adapters import is_linen_module, is_nnx_module, nnx_pure_loss  # noqa: F401
+from jaxhybrid.graph.eqn_costs import EqnCost, aval_bytes, eqn_cost
+from jaxhybrid.graph.flax_adapters import is_linen_module, is_nnx_module, nnx_pure_loss
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Bandwidths are bytes/s *per direction*; FLOP rates are FLOP/s for the dtype name
 `peak_flops_dtype`.
 
 Example:
-  >>> from jaxhybrid import hardware
+  >>> from jaxhybrid.costs import hardware
   >>> hw = hardware.get('dgx1-v100')
   >>> hw.bandwidth(0, 3) / 1e9   # two NVLink 2.0 links between GPU0 and GPU3
   50.0
@@ -340,7 +340,7 @@ def measure_cpu(
     switched=True,
     host_bandwidth=link_bw,
     source=(
-      f"measured on this machine by jaxhybrid.hardware.measure_cpu: jitted float32 {n}^3 matmul "
+      f"measured on this machine by jaxhybrid.costs.hardware.measure_cpu: jitted float32 {n}^3 matmul "
       f"{t_mm * 1e3:.2f} ms, numpy copy of {copy_bytes / 2**20:.0f} MiB {t_copy * 1e3:.2f} ms, "
       f"tiny jitted op dispatch {t_op * 1e6:.1f} us (best of {reps})."
     ),

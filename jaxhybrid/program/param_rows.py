@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxhybrid.structure import ParamLayout
+from jaxhybrid.program.structure import ParamLayout
 
 
 def pack(layout: ParamLayout, leaves: Sequence[Any]) -> dict[str, np.ndarray]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-  from jaxhybrid.projection import Projection
+from jaxhybrid.projection.framework import Projection
 
 
 def format_table(p: Projection) -> str:

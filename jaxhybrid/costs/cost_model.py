@@ -15,7 +15,7 @@ Transfers and all-reduces use the alpha-beta model of PAPER.md: a message of n b
 devices takes `alpha + n / bandwidth`; a ring all-reduce of P bytes over W workers takes
 `2 (W - 1) alpha + 2 (W - 1) / W * P / bandwidth` (Patarasuk & Yuan 2009; Thakur et al. 2005).
 The links come from a `Hardware` spec or from `calibrate.calibrate_link` (a `Link`); the link
-models and these formulas live in `jaxhybrid.links`.
+models and these formulas live in `jaxhybrid.costs.links`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
-from jaxhybrid import hardware as hardware_lib
-from jaxhybrid import structure as structure_lib
-# Link models and the alpha-beta formulas live in jaxhybrid.links; re-exported here.
-from jaxhybrid.links import (  # noqa: F401
-  Interconnect, Link, ring_allreduce_time_s, ring_bottleneck, transfer_time_s,
+from jaxhybrid.costs import hardware as hardware_lib
+from jaxhybrid.costs.links import (
+  Interconnect,
+  ring_allreduce_time_s,
+  ring_bottleneck,
+  transfer_time_s,
 )
+from jaxhybrid.graph import remat
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +317,7 @@ class ProfiledCostModel(CostModel):
     self.graph = graph
     self.repeats, self.warmup = repeats, warmup
     self.subtract_dispatch = subtract_dispatch
-    structure_lib.remat_policy(branch_remat)  # validates the name
+    remat.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
     self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
@@ -369,7 +371,7 @@ class ProfiledCostModel(CostModel):
     if entry is None:
       raw = time_node(
         self.graph, node, warmup=self.warmup, repeats=self.repeats,
-        policy=structure_lib.remat_policy(self.branch_remat),
+        policy=remat.remat_policy(self.branch_remat),
       )
       self.measured += 1
       entry = {

@@ -56,8 +56,9 @@ import optax
 
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
-from jaxhybrid import structure as structure_lib
-from jaxhybrid.eqn_costs import aval_bytes
+from jaxhybrid.graph import remat
+from jaxhybrid.graph.eqn_costs import aval_bytes
+from jaxhybrid.program import structure as structure_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +129,7 @@ def measure_pass_costs(optimizer: Any, nbytes: int = 32 << 20, *, warmup: int = 
 def residual_bytes(graph: graph_lib.OpGraph, node: Any, policy: Any = None) -> int:
   """Bytes `jax.vjp` of the node saves for its backward (w.r.t. its float, non-batch inputs).
 
-  With a `jax.checkpoint` policy (`structure.BRANCH_REMAT_POLICIES`), only what the policy saves
+  With a `jax.checkpoint` policy (`graph.remat.BRANCH_REMAT_POLICIES`), only what the policy saves
   counts: the node's own inputs are then the branch's operands or recomputed, not saved.
   """
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
@@ -261,7 +262,7 @@ def program_step_s(
       count += 1
   param_s = fill_s = 0.0
   cache: dict[int, int] = {}
-  policy = structure_lib.remat_policy(branch_remat)
+  policy = remat.remat_policy(branch_remat)
 
   def _residuals(nid: int) -> int:
     if nid not in cache:

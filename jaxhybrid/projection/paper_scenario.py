@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxhybrid import hardware as hw_lib
-from jaxhybrid import stat_eff
-from jaxhybrid.projection import FlopStepTime, MeasuredStepTime, StepTime, Workload
+from jaxhybrid.costs import hardware as hw_lib
+from jaxhybrid.projection import stat_eff
+from jaxhybrid.projection.framework import FlopStepTime, MeasuredStepTime, StepTime, Workload
 
 # --- The paper's scenario: BigLSTM, GNMT, Inception-V3 on DGX-1 V100 ---------------------------
 

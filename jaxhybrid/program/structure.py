@@ -7,7 +7,7 @@ Schedule: the SPMD program (jaxhybrid.program) cannot let each device start a ta
 inputs arrive, as the planner's schedule does; it runs the schedule as a sequence of *slots* (at most one task
 per device), merges slots into *groups* (one `lax.switch` each, no transfer inside), and after a
 group sends what other devices read as *messages* (one `lax.ppermute` each). The cost of this
-structure is priced by jaxhybrid.lockstep.
+structure is priced by jaxhybrid.program.lockstep.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
-from jaxhybrid import convs
 from jaxhybrid import graph as graph_lib
-from jaxhybrid.eqn_costs import aval_bytes
+from jaxhybrid.graph.eqn_costs import aval_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,35 +184,6 @@ def group_outputs(graph: graph_lib.OpGraph, groups: Sequence[Sequence[Task]]) ->
       later.update((v, t.microbatch) for v in graph.nodes[t.node].invars)
   outs.reverse()
   return outs
-
-
-# `jax.checkpoint` policies for a group's conditional branches (`HybridProgram.build`'s
-# branch_remat). JAX differentiates `lax.switch` by making every branch return the residuals of
-# all branches, so each device writes zeros for the other devices' saved activations: saving less
-# trades that zero-filling (and memory) for recomputation. 'dots' keeps matmul and convolution
-# outputs (the canonical CPU convolutions are custom VJPs, recognised by their checkpoint name).
-# Not in the paper (its devices run their own programs).
-BRANCH_REMAT_POLICIES: dict[str, Any] = {
-  "none": None,
-  "dots": jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.save_only_these_names(convs.CONV_NAME),
-  ),
-  "full": jax.checkpoint_policies.nothing_saveable,
-}
-
-
-def remat_policy(name: str) -> Any:
-  """The `jax.checkpoint` policy of a `branch_remat` name (None for 'none': nothing rematerialised).
-
-  Raises:
-    ValueError: for an unknown name.
-  """
-  if name not in BRANCH_REMAT_POLICIES:
-    raise ValueError(
-      f"branch_remat={name!r} is unknown: use one of {', '.join(BRANCH_REMAT_POLICIES)}"
-    )
-  return BRANCH_REMAT_POLICIES[name]
 
 
 # One message's fixed cost dominates small tensors on slow links (gloo over TCP: ~1 ms), while

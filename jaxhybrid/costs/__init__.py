@@ -1,0 +1,32 @@
+"""Step 2 of the flow: what a node, a transfer and an all-reduce cost on given hardware.
+
+Owns the cost models (`cost_model`: analytic roofline or profiled per node, cached on disk), the
+link models and alpha-beta formulas (`links`), hardware specs with their sources (`hardware`),
+and measurements on the current backend that fit or check them (`calibrate`).
+
+May import: `jaxhybrid.graph`, `jaxhybrid.mesh`; never the program, training or projection.
+"""
+
+from jaxhybrid.costs.cost_model import (
+  AnalyticCostModel,
+  CostModel,
+  ProfiledCostModel,
+  dispatch_time_s,
+  kernel_count,
+  median_time_s,
+  time_node,
+  time_table,
+)
+from jaxhybrid.costs.links import (
+  Interconnect,
+  Link,
+  ring_allreduce_time_s,
+  ring_bottleneck,
+  transfer_time_s,
+)
+
+__all__ = [
+  "AnalyticCostModel", "CostModel", "Interconnect", "Link", "ProfiledCostModel",
+  "dispatch_time_s", "kernel_count", "median_time_s", "ring_allreduce_time_s", "ring_bottleneck",
+  "time_node", "time_table", "transfer_time_s",
+]

@@ -1,0 +1,16 @@
+"""Step 4 of the flow: a plan run as ONE jitted SPMD train step on a `(data, model)` mesh.
+
+Owns the hybrid program (`hybrid`: shard_map, per-group `lax.switch` on the model index,
+micro-batches, gradient all-reduce over 'data', optax inside), its static structure from a plan
+(`structure`: parameter layout, slots, groups, messages), parameter rows owned per device
+(`param_rows`), message sends (`transfers`), the lock-step price of a plan as the program runs
+it (`lockstep`), and the one-core-per-device CPU cluster used to time it (`localcluster`).
+
+May import: `jaxhybrid.graph`, `jaxhybrid.costs`, `jaxhybrid.mesh`, `jaxhybrid.noise_scale`.
+Knows nothing of the planner's search (it reads a plan's assignment and schedule) or training.
+"""
+
+from jaxhybrid.program.hybrid import CHECK_VMA, HybridProgram, TrainState
+from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES
+
+__all__ = ["CHECK_VMA", "DEFAULT_PACK_MAX_BYTES", "HybridProgram", "TrainState"]

@@ -1,0 +1,37 @@
+"""Step 6 of the flow: data-parallel versus hybrid time-to-accuracy at scale.
+
+Owns the analytical framework (`framework`: step time, all-reduce over the topology, S_DP vs
+S_hyb, crossover, best (data, model)), statistical efficiency curves (`stat_eff`), the
+steps-to-target measurement that feeds them (`steps_to_target`), the paper's scenario
+(`paper_scenario`) and reports (`report`: table, plot, S_MP read from planner outputs).
+
+May import: `jaxhybrid.costs` (hardware, links), `jaxhybrid.noise_scale`, `jaxhybrid.models`
+(steps_to_target only); never the program or training.
+"""
+
+from jaxhybrid.projection.framework import (
+  CommConfig,
+  FlopStepTime,
+  MeasuredStepTime,
+  Projection,
+  StepTime,
+  Workload,
+  allreduce_time,
+  assumptions,
+  best_factorisation,
+  check_layout,
+  crossover,
+  intra_node_bus_bandwidth,
+  project,
+  single_device_time_to_accuracy,
+  speedup,
+  step_time,
+)
+from jaxhybrid.projection.report import format_table, plot, s_mp_from_json
+
+__all__ = [
+  "CommConfig", "FlopStepTime", "MeasuredStepTime", "Projection", "StepTime", "Workload",
+  "allreduce_time", "assumptions", "best_factorisation", "check_layout", "crossover",
+  "format_table", "intra_node_bus_bandwidth", "plot", "project", "s_mp_from_json",
+  "single_device_time_to_accuracy", "speedup", "step_time",
+]
