@@ -28,7 +28,7 @@ ALLOWED = {
   "jaxhybrid.planner": set(),
   "jaxhybrid.models": set(),
   "jaxhybrid.program": {"jaxhybrid.graph", "jaxhybrid.costs", "jaxhybrid.mesh",
-                        "jaxhybrid.noise_scale", "jaxhybrid.errors"},
+                        "jaxhybrid.noise_scale", "jaxhybrid.errors", "jaxhybrid.planner"},
   "jaxhybrid.projection": {"jaxhybrid.costs", "jaxhybrid.noise_scale", "jaxhybrid.models"},
   "jaxhybrid.api": {"jaxhybrid.graph", "jaxhybrid.costs", "jaxhybrid.planner", "jaxhybrid.program",
                     "jaxhybrid.mesh", "jaxhybrid.errors"},

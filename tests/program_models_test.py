@@ -69,7 +69,7 @@ def chunked_reference(pure, params, state, batch, per_example, chunks, opt, step
   return losses, [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
-def check(name, mesh_spec, k, planner, max_nodes=None):
+def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b"):
   spec, model = _model(name)
   shape = mesh_lib.parse(mesh_spec)
   # BatchNorm over a handful of values is ill-conditioned (float rounding grows step to step),
@@ -80,6 +80,7 @@ def check(name, mesh_spec, k, planner, max_nodes=None):
   hy = api.parallelize(
     model, spec.loss_fn, opt, batch, mesh=mesh_spec, microbatches=k, planner=planner,
     planner_options={"time_limit_s": 10}, max_nodes=max_nodes,
+    program_options={"schedule": schedule},
   )
   if shape.model > 1 and (k > 1 or name == "inception_v3"):
     # Pipelined stacks and branchy blocks gain from 2 devices (a chain at k=1 does not).
@@ -100,22 +101,26 @@ def check(name, mesh_spec, k, planner, max_nodes=None):
   assert moved > 100 * 2e-6, moved
 
 
-# Sequence models: every mesh, MILP and heuristic plans.
+# Sequence models: every mesh, MILP and heuristic plans, the three task schedules.
 @pytest.mark.parametrize("name", ["gnmt", "biglstm"])
 @pytest.mark.parametrize(
-  "mesh_spec,k,planner",
+  "mesh_spec,k,planner,schedule",
   [
-    ("1x1", 1, "milp"), ("2x1", 2, "etf"), ("1x2", 2, "milp"), ("1x2", 1, "etf"),
-    ("2x2", 2, "milp"), ("2x2", 2, "dp"), ("4x2", 1, "etf"), ("4x2", 2, "milp"),
+    ("1x1", 1, "milp", "1f1b"), ("2x1", 2, "etf", "zb"), ("1x2", 2, "milp", "1f1b"),
+    ("1x2", 1, "etf", "gpipe"), ("2x2", 2, "milp", "zb"), ("2x2", 2, "dp", "gpipe"),
+    ("4x2", 1, "etf", "1f1b"), ("4x2", 2, "milp", "1f1b"),
   ],
 )
-def test_sequence_models_match_reference(name, mesh_spec, k, planner):
-  check(name, mesh_spec, k, planner)
+def test_sequence_models_match_reference(name, mesh_spec, k, planner, schedule):
+  check(name, mesh_spec, k, planner, schedule=schedule)
 
 
-@pytest.mark.parametrize("mesh_spec,k,planner", [("2x2", 1, "milp"), ("1x2", 2, "etf")])
-def test_inception_matches_reference(mesh_spec, k, planner):
-  check("inception_v3", mesh_spec, k, planner, max_nodes=16)
+@pytest.mark.parametrize(
+  "mesh_spec,k,planner,schedule",
+  [("2x2", 1, "milp", "1f1b"), ("1x2", 2, "etf", "zb"), ("1x2", 2, "dp", "gpipe")],
+)
+def test_inception_matches_reference(mesh_spec, k, planner, schedule):
+  check("inception_v3", mesh_spec, k, planner, max_nodes=16, schedule=schedule)
 
 
 @pytest.mark.slow

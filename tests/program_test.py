@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -15,7 +14,6 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
 from jaxhybrid.api import microbatch_spec
-from jaxhybrid.program import structure
 
 STEPS = 3
 
@@ -37,7 +35,7 @@ def _ref_step(pure, opt, p, o, state, b):
   return optax.apply_updates(p, u), o, loss
 
 
-def build(model, loss, batch, mesh_spec, assign_fn, k, opt):
+def build(model, loss, batch, mesh_spec, assign_fn, k, opt, **options):
   m = mesh_lib.make(mesh_spec)
   data = m.shape["data"]
   B = len(batch["x"])
@@ -45,7 +43,9 @@ def build(model, loss, batch, mesh_spec, assign_fn, k, opt):
   _, p, s, pure = graph_lib.nnx_pure_loss(model, loss)
   g = graph_lib.trace_function(pure, p, s, spec)
   assign = [assign_fn(n) for n in g.nodes]
-  prog = program_lib.HybridProgram.build(g, m, opt, assign, microbatches=k, state=s, per_example=per_example)
+  prog = program_lib.HybridProgram.build(
+    g, m, opt, assign, microbatches=k, state=s, per_example=per_example, **options
+  )
   return prog, p, s, pure
 
 
@@ -136,21 +136,36 @@ def test_parameters_are_owned_not_replicated():
   assert mu.sharding.spec == row.sharding.spec
 
 
-def test_slots_respect_dependencies_and_devices():
+def _group_of(prog):
+  return {(d, op): gi for gi, lay in enumerate(prog.structure.groups) for d, op in lay.tasks}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_groups_respect_dependencies_and_devices(schedule):
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
   batch = toy.lstm_batch(8)
-  prog, _, _, _ = build(model, toy.lstm_loss, batch, "1x2", split_lstm, 4, optax.sgd(0.1))
-  seen = {}
-  for i, slot in enumerate(prog.slots):
-    for d, t in slot.items():
-      assert t.device == d == prog.assignment[t.node]
-      seen[(t.node, t.microbatch)] = i
-  assert len(seen) == len(prog.graph.nodes) * 4
+  prog, _, _, _ = build(
+    model, toy.lstm_loss, batch, "1x2", split_lstm, 4, optax.sgd(0.1), schedule=schedule
+  )
+  where = {op: gi for (d, op), gi in _group_of(prog).items() if d == prog.assignment[op.node]}
+  kinds = ("F", "B", "W") if schedule == "zb" else ("F", "B")
+  assert len(where) == len(prog.graph.nodes) * 4 * len(kinds)
+  F = lambda n, c: where[("F", n, c)]  # noqa: E731
+  B = lambda n, c: where[("B", n, c)]  # noqa: E731
   for e in prog.graph.edges:
-    for mb in range(4):
-      assert seen[(e.src, mb)] < seen[(e.dst, mb)]
-  # pipelining: the two devices are busy in the same slot at least once
-  assert any(len(s) == 2 for s in prog.slots)
+    cross = prog.assignment[e.src] != prog.assignment[e.dst]
+    for c in range(4):
+      # forward: producer no later than consumer (strictly earlier across devices)
+      assert F(e.src, c) + cross <= F(e.dst, c)
+      # backward: the consumer's cotangent reaches the producer's backward
+      assert B(e.dst, c) + cross <= B(e.src, c)
+  for n in range(len(prog.graph.nodes)):
+    for c in range(4):
+      assert F(n, c) <= B(n, c)
+      if schedule == "zb":
+        assert B(n, c) <= where[("W", n, c)]
+  # pipelining: both devices work in one group at least once
+  assert any(len({d for d, _ in lay.tasks}) == 2 for lay in prog.structure.groups)
 
 
 def test_bad_assignments_and_batches_raise():
@@ -194,30 +209,24 @@ def _exchange_tower(node):
 
 
 @pytest.mark.parametrize("mesh_spec,k", [("1x2", 2), ("2x4", 1)])
-def test_packed_transfers_match_reference_and_use_fewer_permutes(mesh_spec, k):
+def test_exchanges_match_reference_with_one_permute_per_direction(mesh_spec, k):
   """Neighbouring towers exchange activations: several tensors, both ways, several shifts."""
   model = toy.Exchange(rngs=nnx.Rngs(4))
   batch = toy.regression_batch(16, seed=2)
   opt = optax.adam(1e-2)
   M = mesh_lib.parse(mesh_spec).model
   prog, p, s, pure = build(model, toy.mse_nnx, batch, mesh_spec, lambda n: _exchange_tower(n) % M, k, opt)
-  consumers = {}
-  for n in prog.graph.nodes:
-    for v in n.invars:
-      consumers.setdefault(v, set()).add(prog.assignment[n.id])
-  messages = [m for grp in prog.groups for m in structure.group_messages(prog.graph, grp, consumers, M, prog.pack_max_bytes)]
-  assert any(len(m.payloads) > 1 for m in messages), "some message should carry several sources"
-  assert any(len(keys) > 1 for m in messages for keys in m.payloads.values())
+  st = prog.structure
+  messages = [m for g in range(len(st.groups)) for m in st.message_plan(g)]
+  # Each group sends at most one message per (shift, dtype), forward values and cotangents alike.
+  for g in range(len(st.groups)):
+    plan = st.message_plan(g)
+    assert len({(s_, dt) for s_, dt, _, _ in plan}) == len(plan)
   if M == 4:
-    assert len({m.shift for m in messages}) >= 2
+    assert len({m[0] for m in messages}) >= 2
   assert_matches_reference(prog, p, s, pure, batch, opt)
-
   ts = prog.init_state(jax.tree.leaves(p))
-  unpacked = dataclasses.replace(prog, pack_max_bytes=0, _step=None)
-  n_packed = prog.lower(ts, batch).as_text().count("collective_permute")
-  n_single = unpacked.lower(ts, batch).as_text().count("collective_permute")
-  # One ppermute per message forward and one (its transpose) backward.
-  assert n_packed == 2 * len(messages) < n_single
+  assert prog.lower(ts, batch).as_text().count("collective_permute") == len(messages)
 
 
 def _conditional_output_bytes(prog, params, batch):
@@ -248,22 +257,6 @@ def test_branch_remat_matches_reference_and_saves_less(policy):
   batch = toy.lstm_batch(16)
   opt = optax.adam(1e-2)
   prog, p, s, pure = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt)
-  remat = dataclasses.replace(prog, branch_remat=policy, _step=None)
+  remat, _, _, _ = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt, branch_remat=policy)
   assert_matches_reference(remat, p, s, pure, batch, opt)
   assert _conditional_output_bytes(remat, p, batch) < _conditional_output_bytes(prog, p, batch)
-
-
-def test_group_outputs_are_read_later_or_the_loss():
-  model = toy.LSTMNet(rngs=nnx.Rngs(0))
-  prog, _, _, _ = build(model, toy.lstm_loss, toy.lstm_batch(16), "1x2", split_lstm, 2, optax.sgd(0.1))
-  g = prog.graph
-  outs = structure.group_outputs(g, prog.groups)
-  loss = g.jaxpr.outvars[0]
-  kept = dropped = 0
-  for i, (tasks, keys) in enumerate(zip(prog.groups, outs)):
-    read_later = {(v, t.microbatch) for grp in prog.groups[i + 1:] for t in grp for v in g.nodes[t.node].invars}
-    made = [(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars]
-    assert keys == [key for key in made if key in read_later or key[0] is loss]
-    kept, dropped = kept + len(keys), dropped + len(made) - len(keys)
-  assert kept and dropped, "the LSTM split should keep some values and drop in-group ones"
-

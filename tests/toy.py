@@ -125,3 +125,26 @@ class Exchange(nnx.Module):
   def __call__(self, x):
     h = [jax.nn.relu(f(x)) for f in self.first]
     return sum(s(h[i] * h[(i + 1) % 4] + h[(i + 2) % 4]) for i, s in enumerate(self.second))
+
+
+class Chain(nnx.Module):
+  """input -> `layers` equal tanh layers -> head: a uniform pipeline."""
+
+  def __init__(self, width: int = 32, layers: int = 4, *, rngs: nnx.Rngs):
+    self.inp = nnx.Linear(DIM, width, rngs=rngs)
+    self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+    self.head = nnx.Linear(width, 4, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.inp(x)
+    for layer in self.layers:
+      h = jnp.tanh(layer(h))
+    return self.head(h)
+
+
+def chain_stage(node, devices: int, layers: int = 4) -> int:
+  """Chain layers split evenly over `devices`; the input on the first, the rest on the last."""
+  parts = node.name.split("/")
+  if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+    return int(parts[1]) * devices // layers
+  return 0 if parts[0] == "inp" else devices - 1

@@ -1,30 +1,24 @@
 """The hybrid program: a Plan runs as ONE jitted DP x MP train step on a (data, model) mesh.
 
-Inside one `jax.shard_map` over ('data', 'model'):
-
-* the forward loss is replayed node by node from the traced jaxpr (`OpGraph.node_fn`); the plan's
-  schedule is cut into *slots*, and in each slot every model-axis device runs its own task
-  through `lax.switch(axis_index('model'), branches)` (MPMD inside SPMD). A branch returns the
-  values of the group that later groups read, zeros for the tasks of other devices, so all
-  branches agree (`branch_remat` bounds what they also save for the backward);
-* a tensor consumed on another device moves by `lax.ppermute` right after the group of slots
-  that made it, outside any branch (small ones of a group packed into one message per direction);
-* a worker's batch is cut into `microbatches`; the tasks of different micro-batches interleave
-  as the plan scheduled them, so the pipeline fills;
-* gradients come from `jax.value_and_grad` of that placed forward (the backward runs on the same
-  devices in reverse), are averaged over 'data', and the optax update runs in the same program.
+Inside one `jax.shard_map` over ('data', 'model'), the step runs a *task schedule*
+(`jaxhybrid.planner.task_schedule`: per model-axis device an ordered list of forward (F),
+backward (B) and, for zero-bubble schedules, weight-gradient (W) tasks) in lock step
+(`jaxhybrid.program.tasks`): per group of tasks one `lax.switch(axis_index('model'), ...)` runs
+each device's own tasks (MPMD inside SPMD), then `ppermute`s carry activations forward and
+cotangents backward. F calls `jax.vjp` of its node and keeps only the new arrays of the pullback
+(packed into one union-sized buffer per dtype per group); the matching B on the same device
+rebuilds the pullback and applies it (`jaxhybrid.program.executor`). No `jax.grad` wraps a
+conditional, so no device writes another's residuals, and the schedule (GPipe, 1F1B, ZB-H1 or a
+solver's) decides how many micro-batches' residuals are alive at once.
 
 Parameters are owned: every leaf read by nodes of a single device lives only in that device's row
-of a flat `[model, max_size]` buffer (one per dtype) sharded over 'model'; a branch slices its
-leaves from its own row at static offsets. A leaf read on several devices is *shared*: replicated,
-its gradient summed over 'model'. Optimizer state follows its parameters. Elementwise optimizers
-(SGD, Adam, AdaGrad, ...) therefore act on exactly the right values; transforms that need a
-global view of the parameters would see only one device's share: for global-norm clipping use
-`jaxhybrid.train.optim.clip_by_global_norm`, which reduces over 'model'.
-
-The static structure (parameter layout, slots, groups, messages) is built in jaxhybrid.program.structure;
-the parameter rows are packed and viewed by jaxhybrid.program.param_rows; messages run in
-jaxhybrid.program.transfers.
+of a flat `[model, max_size]` buffer (one per dtype) sharded over 'model'; a task slices its node's
+leaves from its own row at static offsets and adds their gradients into its own gradient row. A
+leaf read on several devices is *shared*: replicated, its gradient summed over 'model'. Gradients
+are averaged over 'data' and the optax update runs in the same program; optimizer state follows
+its parameters. Elementwise optimizers (SGD, Adam, AdaGrad, ...) act on exactly the right values;
+for global-norm clipping use `jaxhybrid.train.optim.clip_by_global_norm`, which reduces over
+'model'.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -45,39 +38,22 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
-from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import DATA, MODEL
-from jaxhybrid.program import param_rows, transfers
-from jaxhybrid.program.structure import (
-  DEFAULT_PACK_MAX_BYTES,
-  ParamLayout,
-  Task,
-  group_messages,
-  group_outputs,
-  group_slots,
-  param_layout,
-  slots_from_schedule,
-)
+from jaxhybrid.planner import task_schedule as sched_lib
+from jaxhybrid.program import executor, param_rows
+from jaxhybrid.program import tasks as tasks_lib
+from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES, ParamLayout, param_layout
 
 log = logging.getLogger(__name__)
 
 # shard_map's varying-axes type check stays off: the program replays equations traced OUTSIDE
 # shard_map, and their nested jaxprs (scan bodies, custom_jvp rules) carry no varying-axes types,
 # so the check rejects e.g. a scan body's matmul of a carried state by a varying weight. With the
-# check off, autodiff inserts no implicit collectives: every gradient below is the device's own,
-# and the step averages and sums them explicitly (pmean over 'data', psum of shared leaves over
+# check off, `jax.vjp` inside a task inserts no implicit collectives: every gradient is the
+# device's own, and the step averages and sums them explicitly (pmean over 'data', psum of shared leaves over
 # 'model'), which the equivalence tests verify against the single-device reference.
 CHECK_VMA = False
-
-
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-  """Mesh axes over which a value inside shard_map varies (its 'vma' type)."""
-  t = jax.typeof(x)
-  mat = getattr(t, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(t, "vma", ()))  # older JAX
 
 
 def _sq(tree: Any, psum_axis: str | None = None) -> jax.Array:
@@ -115,11 +91,12 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass
 class HybridProgram:
-  """One compiled DP x MP train step for a placed graph.
+  """One compiled DP x MP train step for a placed graph and a task schedule.
 
   Build with `HybridProgram.build(...)`; then `state = prog.init_state(param_leaves)` and
   `state, metrics = prog.step(state, batch)` (the batch is the global batch, a pytree like the
-  traced one with the leading dimension data x per-worker batch).
+  traced one with the leading dimension data x per-worker batch). `step` DONATES `state`: use
+  the returned state, not the one passed in.
   """
 
   graph: graph_lib.OpGraph
@@ -128,17 +105,19 @@ class HybridProgram:
   assignment: tuple[int, ...]
   microbatches: int
   layout: ParamLayout
-  slots: list[dict[int, Task]]
-  groups: list[list[Task]]
+  schedule: sched_lib.TaskSchedule
+  structure: tasks_lib.Structure
+  calls: executor.NodeCalls
   per_example: tuple[bool, ...]
   state_leaves: tuple[Any, ...]
   remat: frozenset[int]
   # Replay convolutions in the canonical layout (see jaxhybrid/graph/convs.py); on for CPU meshes.
   canonical_convs: bool = False
-  # Transfers of one group smaller than this many bytes travel packed, one ppermute per direction
-  # (see `group_messages`); 0 sends every tensor on its own.
+  # Kept for compatibility of the build options; v2 programs pack each (shift, dtype) of a group
+  # into one message whatever the tensor sizes.
   pack_max_bytes: int = 0
-  # What a group's conditional saves for its backward (see BRANCH_REMAT_POLICIES).
+  # What F saves for B: 'none' (every residual), 'dots' (matmul/conv outputs; the rest is
+  # recomputed in B), 'full' (nothing: B replays the node's forward).
   branch_remat: str = "none"
   _step: Callable | None = None
 
@@ -153,6 +132,8 @@ class HybridProgram:
     *,
     microbatches: int = 1,
     order: Sequence[tuple[int, int]] | None = None,
+    schedule: str | sched_lib.TaskSchedule = sched_lib.DEFAULT_KIND,
+    forward_s: Sequence[float] | None = None,
     state: Any = None,
     per_example: Sequence[bool] | None = None,
     remat: Sequence[str] = (),
@@ -168,25 +149,24 @@ class HybridProgram:
       optimizer: an optax transformation (elementwise ones act exactly; see module docstring).
       assignment: node id -> model-axis device index.
       microbatches: micro-batches per worker batch.
-      order: (node, microbatch) start order from the plan's schedule.
+      order: (node, microbatch) forward priority, e.g. a plan's start order.
+      schedule: 'gpipe', '1f1b' (default) or 'zb' to generate the task schedule from the
+        placement (`task_schedule.generate`), or a `TaskSchedule` to run as given.
+      forward_s: estimated forward time per node, to order generated schedules (default: FLOPs).
       state: concrete read-only model state leaves (e.g. BatchNorm statistics), if any.
       per_example: per batch leaf, whether it has a leading batch dimension (default: leaves
         whose leading dimension equals the traced micro-batch size).
-      remat: node names to rematerialise in the backward pass.
+      remat: node names whose forward saves nothing (the backward replays it).
       canonical_convs: replay convolutions in the canonical NHWC/HWIO layout, backward included
         (`jaxhybrid.graph.convs`). XLA:CPU leaves convolutions inside conditional branches in the
         layout autodiff wrote, which runs their gradients ~6x slower; None = on when the mesh's
         devices are CPUs.
-      pack_max_bytes: a group's transfers below this size share one ppermute per direction
-        (`group_messages`); 0 sends each on its own.
-      branch_remat: 'none' (a group's conditional saves every residual its backward needs),
-        'dots' (only matmul and convolution outputs; the rest is recomputed in the backward) or
-        'full' (nothing; the forward is replayed). Every device's conditional returns the
-        residuals of ALL devices' branches, zeros for the others', so fewer saved bytes also
-        means less zero-filling (`BRANCH_REMAT_POLICIES`).
+      pack_max_bytes: accepted for compatibility; messages are packed per (shift, dtype).
+      branch_remat: 'none', 'dots' (F saves matmul/conv outputs only) or 'full' (every node
+        rematerialised).
 
     Raises:
-      ValueError: if the assignment does not fit the graph or the mesh.
+      ValueError: if the assignment or the schedule does not fit the graph or the mesh.
     """
     M = mesh.shape[MODEL]
     if len(assignment) != len(graph.nodes):
@@ -215,19 +195,44 @@ class HybridProgram:
     unknown = [r for r in remat if r not in names]
     if unknown:
       raise ValueError(f"remat names unknown nodes {unknown}; known: {sorted(names)[:10]}...")
-    prog = cls(
-      graph=graph, mesh=mesh, optimizer=optimizer, assignment=tuple(int(a) for a in assignment),
-      microbatches=microbatches, layout=param_layout(graph, assignment, M),
-      slots=(slots := slots_from_schedule(graph, assignment, microbatches, order)),
-      groups=group_slots(graph, slots),
-      per_example=tuple(per_example), state_leaves=state_leaves,
-      remat=frozenset(names[r] for r in remat),
-      canonical_convs=(
-        mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
-      ),
-      pack_max_bytes=int(pack_max_bytes), branch_remat=branch_remat,
+    assignment = tuple(int(a) for a in assignment)
+    edges = [(e.src, e.dst) for e in graph.edges]
+    if isinstance(schedule, str):
+      fwd = forward_s if forward_s is not None else [max(n.flops, 1.0) for n in graph.nodes]
+      schedule = sched_lib.generate(
+        schedule, len(graph.nodes), edges, assignment, M, microbatches, forward_s=fwd,
+        order=order,
+      )
+    if schedule.microbatches != microbatches:
+      raise ValueError(
+        f"the schedule is for {schedule.microbatches} micro-batches but the program runs "
+        f"{microbatches}: generate it for microbatches={microbatches}"
+      )
+    if len(schedule.devices) != M:
+      raise ValueError(
+        f"the schedule is for {len(schedule.devices)} model-axis devices but the mesh has {M}"
+      )
+    sched_lib.validate(schedule, len(graph.nodes), edges, assignment)
+    remat_ids = frozenset(names[r] for r in remat)
+    if branch_remat == "full":
+      remat_ids = frozenset(range(len(graph.nodes)))
+    canonical = (
+      mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
     )
-    return prog
+    calls = executor.NodeCalls(
+      graph=graph, canonical_convs=canonical, branch_remat=branch_remat, remat=remat_ids
+    )
+    consts = dict(zip(graph.jaxpr.constvars, graph.closed_jaxpr.consts))
+    structure = tasks_lib.build(
+      graph, assignment, schedule, lambda nid: calls.residuals(nid, consts), remat_ids
+    )
+    return cls(
+      graph=graph, mesh=mesh, optimizer=optimizer, assignment=assignment,
+      microbatches=microbatches, layout=param_layout(graph, assignment, M),
+      schedule=schedule, structure=structure, calls=calls,
+      per_example=tuple(per_example), state_leaves=state_leaves, remat=remat_ids,
+      canonical_convs=canonical, pack_max_bytes=int(pack_max_bytes), branch_remat=branch_remat,
+    )
 
   # ---- parameter packing ----------------------------------------------------------------------
   def pack(self, leaves: Sequence[Any]) -> dict[str, Any]:
@@ -274,29 +279,12 @@ class HybridProgram:
     return TrainState(params=params, opt_state=opt_state, step=step)
 
   # ---- the step -------------------------------------------------------------------------------
-  def _vary(self, x: jax.Array) -> jax.Array:
-    """Marks x as varying over both mesh axes (switch branches must agree on this)."""
-    if not CHECK_VMA:
-      return x
-    have = _varying_axes(x)
-    missing = tuple(a for a in (DATA, MODEL) if a not in have)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-  def _local_loss(self, views: dict[int, jax.Array], shared: list[jax.Array], state: Sequence[Any], batch: Sequence[Any]) -> jax.Array:
-    """The placed forward on one device: returns the loss on the loss node's device, 0 elsewhere.
-
-    Args:
-      views: owned parameter leaves by leaf index (see `param_rows.views`).
-      shared: the shared leaves, in `layout.shared` order.
-      state: read-only model state leaves.
-      batch: this worker's batch leaves.
-    """
-    g, lay, k = self.graph, self.layout, self.microbatches
-    jaxpr = g.jaxpr
-    kinds = dict(zip(jaxpr.invars, g.input_kinds))
-    consts = dict(zip(jaxpr.constvars, g.closed_jaxpr.consts))
-    shared_pos = {leaf: j for j, leaf in enumerate(lay.shared)}
-    # Micro-batches: [local_batch, ...] -> k x [mb, ...]
+  def _local_loss_and_grads(
+    self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any],
+    batch: Sequence[Any],
+  ) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
+    """Runs the task schedule on one device: (loss share, own gradient rows, shared grads)."""
+    k = self.microbatches
     mbatches = []
     for j, x in enumerate(batch):
       if self.per_example[j]:
@@ -304,96 +292,9 @@ class HybridProgram:
         mbatches.append([x[m] for m in range(k)])
       else:
         mbatches.append([x] * k)
-    env: dict[tuple[Any, int], jax.Array] = {}
-    me = lax.axis_index(MODEL)
-
-    def value(v, mb):
-      if v in consts:
-        return consts[v]
-      if v in kinds:
-        kind, idx = kinds[v]
-        if kind == graph_lib.PARAM:
-          return shared[shared_pos[idx]] if lay.owner[idx] < 0 else views[idx]
-        if kind == graph_lib.STATE:
-          return state[idx]
-        return mbatches[idx][mb]
-      return env[(v, mb)]
-
-    consumers: dict[Any, set[int]] = {}
-    for n in g.nodes:
-      for v in n.invars:
-        consumers.setdefault(v, set()).add(self.assignment[n.id])
-
-    node_fns = {}
-
-    def fn_of(nid):
-      if nid not in node_fns:
-        closed = g.node_jaxpr(g.nodes[nid])
-        use = self.canonical_convs and convs.has_convs(closed.jaxpr)
-        f = convs.jaxpr_fn(closed) if use else jex.core.jaxpr_as_fun(closed)
-        node_fns[nid] = jax.checkpoint(f) if nid in self.remat else f
-      return node_fns[nid]
-
-    for tasks, out_keys in zip(self.groups, group_outputs(g, self.groups)):
-      made = {(v, t.microbatch) for t in tasks for v in g.nodes[t.node].outvars}
-      # Operands shared by all branches: every value the group's tasks read from before the group
-      # (parameters of the task's node, activations, batch and state), constants excepted.
-      op_keys: list[tuple[Any, int]] = []
-      for t in tasks:
-        for v in g.nodes[t.node].invars:
-          if v in consts or (v, t.microbatch) in made:
-            continue
-          key = (v, 0) if v in kinds and kinds[v][0] != graph_lib.BATCH else (v, t.microbatch)
-          if key not in op_keys:
-            op_keys.append(key)
-      out_avals = [v.aval for v, _ in out_keys]
-
-      def make_branch(dev, tasks=tasks, op_keys=op_keys, out_keys=out_keys, out_avals=out_avals):
-        def branch(ops):
-          local = dict(zip(op_keys, ops))
-          results: dict[tuple[Any, int], jax.Array] = {}
-          for t in tasks:
-            if t.device != dev:
-              continue
-            node = g.nodes[t.node]
-            args = []
-            for v in node.invars:
-              if v in consts:
-                args.append(consts[v])
-              elif (v, t.microbatch) in results:  # made earlier in this group, same device
-                args.append(results[(v, t.microbatch)])
-              elif v in kinds and kinds[v][0] != graph_lib.BATCH:
-                args.append(local[(v, 0)])
-              else:
-                args.append(local[(v, t.microbatch)])
-            outs = fn_of(t.node)(*args)
-            for v, o in zip(node.outvars, outs):
-              results[(v, t.microbatch)] = o
-          return [
-            self._vary(results[key]) if key in results else self._vary(jnp.zeros(a.shape, a.dtype))
-            for key, a in zip(out_keys, out_avals)
-          ]
-
-        return branch
-
-      ops = [self._vary(value(v, mb)) for v, mb in op_keys]
-      if self.layout.devices == 1:
-        outs = make_branch(0)(ops)
-      else:
-        branches = [make_branch(d) for d in range(self.layout.devices)]
-        policy = remat_policy(self.branch_remat)
-        if policy is not None:  # (jax.checkpoint's own policy=None would save nothing)
-          branches = [jax.checkpoint(b, policy=policy) for b in branches]
-        outs = lax.switch(me, branches, ops)
-      for key, o in zip(out_keys, outs):
-        env[key] = o
-      # Transfers: values made in this group that other devices read, outside any branch.
-      for msg in group_messages(g, tasks, consumers, self.layout.devices, self.pack_max_bytes):
-        transfers.send(env, msg, me, self.layout.devices)
-
-    loss_var = jaxpr.outvars[0]
-    total = sum(env[(loss_var, m)] for m in range(k)) / k
-    return total
+    consts = dict(zip(self.graph.jaxpr.constvars, self.graph.closed_jaxpr.consts))
+    inputs = executor.Inputs(rows=owned, shared=list(shared), state=state, microbatches=mbatches)
+    return executor.run_groups(self.structure, self.calls, self.layout, inputs, consts)
 
   @property
   def per_worker_batch(self) -> int:
@@ -410,14 +311,9 @@ class HybridProgram:
 
     def body(params, opt_state, state, batch):
       owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
-      views = {i: self._vary(x) for i, x in param_rows.views(self.layout, owned).items()}
-      shared_v = [self._vary(x) for x in params["shared"]]
-      state_v = [self._vary(x) for x in state]
-      batch_v = [self._vary(x) for x in batch]
-      loss, (g_views, g_shared) = jax.value_and_grad(self._local_loss, argnums=(0, 1))(
-        views, shared_v, state_v, batch_v
+      loss, g_owned, g_shared = self._local_loss_and_grads(
+        owned, list(params["shared"]), list(state), list(batch)
       )
-      g_owned = param_rows.rows_from_views(self.layout, g_views)
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
       sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)

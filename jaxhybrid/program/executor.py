@@ -1,0 +1,310 @@
+"""Runs a task-scheduled training step inside `shard_map`: forward and backward as tasks.
+
+No `jax.grad` wraps a conditional. Per group of the lock-step structure (`tasks.build`):
+
+- ONE `lax.switch(axis_index('model'), branches)`: device d's branch runs d's tasks of the group:
+  F(n, c) calls `jax.vjp` of node n and keeps the pullback's new arrays (its residuals); B(n, c)
+  rebuilds the pullback from them (arguments re-read: parameters from d's own row, activations
+  from where they arrived), applies it to the summed output cotangents and emits the input
+  cotangents; the parameter gradient is added into d's own gradient row at static offsets (in B,
+  or in W for split schedules). The branch returns one flat buffer per dtype in the group's
+  layout (union-sized: the largest device's outputs), and the gradient rows;
+- then one `ppermute` per (shift, dtype) carries the group's messages; receivers read at static
+  offsets.
+
+A device never slices, views or differentiates another device's parameter leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid.graph import convs
+from jaxhybrid.graph.remat import remat_policy
+from jaxhybrid.mesh import MODEL
+from jaxhybrid.program import tasks as tasks_lib
+from jaxhybrid.program.structure import ParamLayout
+
+
+def _on_param_access(device: int, leaf: int, what: str) -> None:
+  """Called at trace time for every parameter leaf a branch reads ('read') or adds a gradient
+  to ('grad'); a no-op hook the tests use to check that devices touch only their own leaves."""
+
+
+def _is_tracer(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def split_pullback(pullback: Any, args: Sequence[Any]) -> tuple[Any, list, list]:
+  """A pullback's leaves classified: (treedef, kinds, packed residuals).
+
+  kinds[j] is ('arg', i) when leaf j IS argument i (re-read in the backward, never packed: for
+  parameters this is what keeps the weights out of every micro-batch's residuals), ('res', r)
+  for a new array (packed), or ('const', value) for a concrete constant.
+  """
+  leaves, treedef = jax.tree.flatten(pullback)
+  kinds, packed = [], []
+  for leaf in leaves:
+    idx = next((i for i, a in enumerate(args) if leaf is a), None)
+    if idx is not None:
+      kinds.append(("arg", idx))
+    elif _is_tracer(leaf):
+      kinds.append(("res", len(packed)))
+      packed.append(leaf)
+    else:
+      kinds.append(("const", leaf))
+  return treedef, kinds, packed
+
+
+@dataclasses.dataclass
+class NodeCalls:
+  """How each node is replayed, differentiated and probed for its residuals."""
+
+  graph: graph_lib.OpGraph
+  canonical_convs: bool
+  branch_remat: str  # 'none' | 'dots' | 'full'
+  remat: frozenset[int]  # nodes whose F saves nothing
+  _fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
+  _res: dict[int, tasks_lib.Residuals] = dataclasses.field(default_factory=dict)
+  treedefs: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+  def fn(self, nid: int) -> Callable:
+    if nid not in self._fns:
+      closed = self.graph.node_jaxpr(self.graph.nodes[nid])
+      use = self.canonical_convs and convs.has_convs(closed.jaxpr)
+      f = convs.jaxpr_fn(closed) if use else jex.core.jaxpr_as_fun(closed)
+      policy = remat_policy(self.branch_remat) if self.branch_remat == "dots" else None
+      self._fns[nid] = jax.checkpoint(f, policy=policy) if policy is not None else f
+    return self._fns[nid]
+
+  def residuals(self, nid: int, consts: dict[Any, Any]) -> tasks_lib.Residuals:
+    """What F(nid) saves, from an abstract trace of its `jax.vjp` (nothing is computed)."""
+    if nid in self._res:
+      return self._res[nid]
+    node = self.graph.nodes[nid]
+    info: dict[str, Any] = {}
+
+    def probe(*free):
+      it = iter(free)
+      args = [consts[v] if v in consts else next(it) for v in node.invars]
+      _, pb = jax.vjp(self.fn(nid), *args)
+      _, kinds, packed = split_pullback(pb, args)
+      info["kinds"] = kinds
+      return packed
+
+    free = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars if v not in consts]
+    avals = jax.eval_shape(probe, *free)
+    kinds = info["kinds"]
+    self._res[nid] = tasks_lib.Residuals(
+      kinds=tuple((k, i if k != "const" else None) for k, i in kinds),
+      avals=tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals),
+      consts=tuple(i if k == "const" else None for k, i in kinds),
+    )
+    return self._res[nid]
+
+
+@dataclasses.dataclass
+class Inputs:
+  """What the branches read besides values: own parameter row, shared leaves, state, batch."""
+
+  rows: dict[str, jax.Array]  # dtype -> this device's parameter row [size]
+  shared: list[jax.Array]
+  state: Sequence[jax.Array]
+  microbatches: list[list[jax.Array]]  # per batch leaf, per micro-batch
+
+
+def run_groups(
+  st: tasks_lib.Structure,
+  calls: NodeCalls,
+  layout: ParamLayout,
+  inp: Inputs,
+  consts: dict[Any, Any],
+) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
+  """Runs every group; returns (this device's loss share, gradient rows, shared gradients).
+
+  The loss share is the mean over micro-batches on the loss node's device and 0 elsewhere; the
+  gradient rows are this device's own (other devices' leaves never appear).
+  """
+  g = calls.graph
+  k = st.schedule.microbatches
+  M = st.devices
+  kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
+  shared_pos = {leaf: j for j, leaf in enumerate(layout.shared)}
+  loss_var = g.jaxpr.outvars[0]
+  me = lax.axis_index(MODEL) if M > 1 else 0
+  bufs: dict[tuple, jax.Array] = {}
+  grads = {dt: jnp.zeros((n,), dt) for dt, n in layout.sizes}
+  gshared = [jnp.zeros_like(x) for x in inp.shared]
+
+  def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
+    _on_param_access(d, idx, "read")
+    if layout.owner[idx] < 0:
+      return inp.shared[shared_pos[idx]]
+    if layout.owner[idx] != d:
+      raise RuntimeError(f"internal: device {d} reads parameter leaf {idx} it does not own")
+    n = math.prod(layout.shapes[idx])
+    off = layout.offset[idx]
+    return lax.slice(rows[layout.dtypes[idx]], (off,), (off + n,)).reshape(layout.shapes[idx])
+
+  def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, carry_grads: bool):
+    def branch(carry):
+      rows_g, sh_g = carry
+      local: dict[Any, jax.Array] = {}
+      pullbacks: dict[tuple[int, int], Any] = {}
+
+      def read(key):
+        if key in local:
+          return local[key]
+        loc = st.locs[(key, d)]
+        return lax.slice(bufs[loc.buf], (loc.offset,), (loc.offset + loc.size,)).reshape(loc.shape)
+
+      def args_of(node, c, need=None):
+        out = []
+        for i, v in enumerate(node.invars):
+          if need is not None and i not in need:
+            out.append(None)  # not used by this task
+          elif v in consts:
+            out.append(consts[v])
+          elif v in kinds:
+            kind, idx = kinds[v]
+            if kind == graph_lib.PARAM:
+              out.append(param_value(idx, d, inp.rows))
+            elif kind == graph_lib.STATE:
+              out.append(inp.state[idx])
+            else:
+              out.append(inp.microbatches[idx][c])
+          else:
+            out.append(read(("a", v, c)))
+        return out
+
+      for dd, op in lay.tasks:
+        if dd != d:
+          continue
+        node, c = g.nodes[op.node], op.microbatch
+        if op.kind == "F" or node.id in calls.remat or (node.id, c) in pullbacks:
+          need = None
+        else:
+          need = set(calls.residuals(node.id, consts).arg_indices)
+        args = args_of(node, c, need)
+        if op.kind == "F":
+          if node.id in calls.remat:
+            outs = calls.fn(node.id)(*args)
+          else:
+            outs, pb = jax.vjp(calls.fn(node.id), *args)
+            treedef, _, packed = split_pullback(pb, args)
+            want = calls.residuals(node.id, consts).avals
+            if [(p.shape, p.dtype) for p in packed] != [(a.shape, a.dtype) for a in want]:
+              raise RuntimeError(f"internal: residuals of node {node.name} differ from the probe")
+            calls.treedefs[node.id] = treedef
+            pullbacks[(node.id, c)] = pb
+            for j, r in enumerate(packed):
+              local[("r", node.id, c, j)] = r
+          for v, o in zip(node.outvars, outs):
+            local[("a", v, c)] = o
+          continue
+        # B or W: the pullback of F(n, c).
+        if (node.id, c) in pullbacks:
+          pb = pullbacks[(node.id, c)]
+        elif node.id in calls.remat:
+          _, pb = jax.vjp(calls.fn(node.id), *args)
+        else:
+          res = calls.residuals(node.id, consts)
+          leaves = []
+          for kind, i in res.kinds:
+            if kind == "arg":
+              leaves.append(args[i])
+            elif kind == "res":
+              leaves.append(read(("r", node.id, c, i)))
+            else:
+              leaves.append(res.consts[len(leaves)])
+          pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
+        cts = []
+        for v in node.outvars:
+          a = v.aval
+          if not np.issubdtype(np.dtype(a.dtype), np.inexact):
+            cts.append(np.zeros(a.shape, jax.dtypes.float0))
+            continue
+          ct = jnp.zeros(a.shape, a.dtype)
+          for src in st.ct_sources.get(("a", v, c), []):
+            ct = ct + read(src)
+          if v is loss_var:
+            ct = ct + jnp.asarray(1.0 / k, a.dtype)
+          cts.append(ct)
+        in_cts = pb(cts)
+        if op.kind == "B":
+          for key in st.makes[(d, op)]:  # ('g', var, c, node): summed over the var's positions
+            v = key[1]
+            total = None
+            for i, u in enumerate(node.invars):
+              if u is v:
+                total = in_cts[i] if total is None else total + in_cts[i]
+            local[key] = total
+        if op.kind == "W" or not st.schedule.split:
+          for i, v in enumerate(node.invars):
+            if v not in kinds or kinds[v][0] != graph_lib.PARAM:
+              continue
+            idx = kinds[v][1]
+            gv = in_cts[i]
+            _on_param_access(d, idx, "grad")
+            if layout.owner[idx] < 0:
+              j = shared_pos[idx]
+              sh_g = sh_g[:j] + [sh_g[j] + gv] + sh_g[j + 1 :]
+            else:
+              dt, off = layout.dtypes[idx], layout.offset[idx]
+              n = math.prod(layout.shapes[idx])
+              row = rows_g[dt]
+              cur = lax.slice(row, (off,), (off + n,))
+              rows_g = {**rows_g, dt: lax.dynamic_update_slice(row, cur + gv.reshape(-1), (off,))}
+      outs = []
+      for dt in sorted(lay.sizes):
+        parts, pos = [], 0
+        for key, kdt, off, shape in sorted(
+          (w for w in lay.writes[d] if w[1] == dt), key=lambda w: w[2]
+        ):
+          if off > pos:
+            parts.append(jnp.zeros((off - pos,), dt))
+          parts.append(local[key].reshape(-1).astype(dt))
+          pos = off + math.prod(shape)
+        if lay.sizes[dt] > pos:
+          parts.append(jnp.zeros((lay.sizes[dt] - pos,), dt))
+        outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+      return outs, (rows_g, sh_g) if carry_grads else None
+
+    return branch
+
+  for gi, lay in enumerate(st.groups):
+    carry_grads = any(op.kind == "W" or (op.kind == "B" and not st.schedule.split)
+                      for _, op in lay.tasks)
+    carry = (grads, gshared) if carry_grads else ({}, [])
+    if M == 1:
+      outs, new = make_branch(gi, 0, lay, carry_grads)(carry)
+    else:
+      branches = [make_branch(gi, d, lay, carry_grads) for d in range(M)]
+      outs, new = lax.switch(me, branches, carry)
+    if carry_grads:
+      grads, gshared = new
+    for dt, buf in zip(sorted(lay.sizes), outs):
+      bufs[("out", gi, dt)] = buf
+    for s, dt, start, length in st.message_plan(gi):
+      part = lax.slice(bufs[("out", gi, dt)], (start,), (start + length,))
+      perm = [(i, (i + s) % M) for i in range(M)]
+      bufs[("recv", gi, s, dt)] = lax.ppermute(part, MODEL, perm=perm)
+  total = None
+  for key in st.loss_keys:
+    loc = st.locs[(key, st.loss_device)]
+    x = lax.slice(bufs[loc.buf], (loc.offset,), (loc.offset + loc.size,)).reshape(loc.shape)
+    total = x if total is None else total + x
+  loss = total / k
+  if M > 1:
+    loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
+  return loss, grads, gshared

@@ -1,0 +1,322 @@
+"""The static structure of a task-scheduled step: values, slots, groups, packed buffers, messages.
+
+A `TaskSchedule` (jaxhybrid.planner.task_schedule) gives each model-axis device an ordered list of
+F / B / W tasks. The SPMD program runs them in lock step:
+
+- *values* flow between tasks: activations ('a', var, c) made by F(producer, c); cotangent
+  contributions ('g', var, c, consumer) made by B(consumer, c) for each float input `var` of the
+  consumer, summed by B(producer, c); residual leaves ('r', node, c, j) made by F(node, c) for
+  its B and W (only the new arrays of the node's pullback: arguments are re-read);
+- a task goes to the first *slot* after its device's previous task and after the slots of the
+  tasks whose values it reads; consecutive slots merge into a *group* unless a task reads a
+  value another device made in the group. A group is one `lax.switch` on the model index;
+- each group's conditional returns, per dtype, ONE flat buffer per device: first a region per
+  message direction (shift), then the values the device keeps for itself (residuals included).
+  Every region is as long as the longest device's part, so the buffer is the union of what the
+  devices need (the largest device's outputs), not the sum;
+- after the group, one `ppermute` per (shift, dtype) sends each region to device + shift; the
+  receiver reads its values at static offsets. Reads are always static slices of a buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid.planner.task_schedule import Op, TaskSchedule, dependencies
+
+END = -1  # the "group" of the final read (the loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loc:
+  """Where a device reads a value: buffer id, static offset, shape and dtype."""
+
+  buf: tuple  # ('out', group, dtype) or ('recv', group, shift, dtype)
+  offset: int
+  shape: tuple[int, ...]
+  dtype: str
+
+  @property
+  def size(self) -> int:
+    return int(math.prod(self.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+  """What F(node) saves for its backward: the pullback's leaves, classified.
+
+  `kinds[j]` is ('arg', i) for the node's i-th argument (re-read in the backward), ('res', r)
+  for the r-th packed residual, or ('const', None) for a constant kept in `consts[j]`.
+  """
+
+  kinds: tuple[tuple[str, Any], ...]
+  avals: tuple[Any, ...]  # of the packed residuals
+  consts: tuple[Any, ...]  # per leaf: the constant, or None
+
+  @property
+  def arg_indices(self) -> tuple[int, ...]:
+    return tuple(sorted({i for k, i in self.kinds if k == "arg"}))
+
+
+@dataclasses.dataclass
+class GroupLayout:
+  """A group's tasks and the layout of its output buffers."""
+
+  tasks: list[tuple[int, Op]]  # (device, op), per device in schedule order
+  sizes: dict[str, int]  # dtype -> buffer length (elements)
+  regions: dict[tuple[int, str], tuple[int, int]]  # (shift, dtype) -> (start, length)
+  # device -> [(key, dtype, offset, shape)] in write order (what its branch returns)
+  writes: dict[int, list[tuple[Any, str, int, tuple[int, ...]]]]
+
+
+@dataclasses.dataclass
+class Structure:
+  """Everything static about a task-scheduled step."""
+
+  schedule: TaskSchedule
+  groups: list[GroupLayout]
+  locs: dict[tuple[Any, int], Loc]  # (value key, reading device) -> location
+  reads: dict[tuple[int, Op], list[Any]]  # task -> value keys it reads (in a fixed order)
+  makes: dict[tuple[int, Op], list[Any]]  # task -> value keys it makes
+  avals: dict[Any, Any]  # value key -> aval
+  ct_sources: dict[Any, list[Any]]  # ('a', var, c) -> its cotangent contribution keys
+  loss_keys: list[Any]  # ('a', loss_var, c) per micro-batch
+  loss_device: int
+  devices: int
+
+  def message_plan(self, g: int) -> list[tuple[int, str, int, int]]:
+    """(shift, dtype, start, length) of each message after group g."""
+    return [(s, dt, a, n) for (s, dt), (a, n) in sorted(self.groups[g].regions.items())]
+
+  def output_bytes(self, g: int) -> int:
+    """Bytes of group g's conditional outputs per device (all dtypes; gradients excluded)."""
+    return sum(n * np.dtype(dt).itemsize for dt, n in self.groups[g].sizes.items())
+
+
+def _is_float(aval: Any) -> bool:
+  return np.issubdtype(np.dtype(aval.dtype), np.inexact)
+
+
+def build(
+  graph: graph_lib.OpGraph,
+  assignment: Sequence[int],
+  schedule: TaskSchedule,
+  residuals: Callable[[int], Residuals],
+  remat: frozenset[int] = frozenset(),
+) -> Structure:
+  """Values, slots, groups, buffer layouts and read locations of a validated task schedule.
+
+  Args:
+    graph: the op graph.
+    assignment: node -> model-axis device.
+    schedule: the per-device task order (validated by `task_schedule.validate`).
+    residuals: node id -> what its F saves (`Residuals`); not called for `remat` nodes.
+    remat: nodes whose F saves nothing (their B replays the forward from the arguments).
+  """
+  devices = len(schedule.devices)
+  node_out = {v: n.id for n in graph.nodes for v in n.outvars}
+  preds: list[list[int]] = [[] for _ in graph.nodes]
+  succs: list[list[int]] = [[] for _ in graph.nodes]
+  for e in graph.edges:
+    preds[e.dst].append(e.src)
+    succs[e.src].append(e.dst)
+  loss_var = graph.jaxpr.outvars[0]
+  k = schedule.microbatches
+  # Which node inputs are activations (made by another node), per node, in order, deduplicated.
+  acts = {
+    n.id: list(dict.fromkeys(v for v in n.invars if v in node_out and node_out[v] != n.id))
+    for n in graph.nodes
+  }
+  consumers: dict[Any, list[int]] = {}
+  for n in graph.nodes:
+    for v in acts[n.id]:
+      consumers.setdefault(v, []).append(n.id)
+  res = {n.id: residuals(n.id) for n in graph.nodes if n.id not in remat}
+  avals: dict[Any, Any] = {}
+  reads: dict[tuple[int, Op], list[Any]] = {}
+  makes: dict[tuple[int, Op], list[Any]] = {}
+  ct_sources: dict[Any, list[Any]] = {}
+  for d, ops in enumerate(schedule.devices):
+    for op in ops:
+      n, c = graph.nodes[op.node], op.microbatch
+      if op.kind == "F":
+        reads[(d, op)] = [("a", v, c) for v in acts[n.id]]
+        made = [("a", v, c) for v in n.outvars]
+        for v in n.outvars:
+          avals[("a", v, c)] = v.aval
+        if n.id in res:
+          for j, a in enumerate(res[n.id].avals):
+            made.append(("r", n.id, c, j))
+            avals[("r", n.id, c, j)] = a
+        makes[(d, op)] = made
+        continue
+      need_args = (
+        range(len(n.invars)) if n.id in remat else res[n.id].arg_indices
+      )
+      arg_vars = list(dict.fromkeys(
+        n.invars[i] for i in need_args if n.invars[i] in acts[n.id]
+      ))
+      cts = []
+      for v in n.outvars:
+        if not _is_float(v.aval):
+          continue
+        srcs = [("g", v, c, s) for s in consumers.get(v, []) if _is_float(v.aval)]
+        ct_sources[("a", v, c)] = srcs
+        cts.extend(srcs)
+      own = [] if n.id in remat else [("r", n.id, c, j) for j in range(len(res[n.id].avals))]
+      reads[(d, op)] = [("a", v, c) for v in arg_vars] + cts + own
+      if op.kind == "B":
+        made = [("g", v, c, n.id) for v in acts[n.id] if _is_float(v.aval)]
+        for key in made:
+          avals[key] = key[1].aval
+        makes[(d, op)] = made
+      else:
+        makes[(d, op)] = []
+  maker_task = {key: (d, op) for (d, op), keys in makes.items() for key in keys}
+  # ---- slots: lock-step order of the schedule --------------------------------------------------
+  slot_of: dict[tuple[int, Op], int] = {}
+  pos = [0] * devices
+  last = [-1] * devices
+  slots: list[list[tuple[int, Op]]] = []
+  remaining = sum(len(ops) for ops in schedule.devices)
+  while remaining:
+    progress = False
+    for d, ops in enumerate(schedule.devices):
+      while pos[d] < len(ops):
+        op = ops[pos[d]]
+        deps = [maker_task[key] for key in reads[(d, op)] if key in maker_task]
+        deps += [(d2, dep) for dep in dependencies(op, preds, succs, schedule.split)
+                 for d2 in [assignment[dep.node]]]
+        if any(t not in slot_of for t in deps):
+          break
+        s = max([last[d] + 1] + [slot_of[t] + 1 for t in deps])
+        while len(slots) <= s:
+          slots.append([])
+        slots[s].append((d, op))
+        slot_of[(d, op)] = s
+        last[d] = s
+        pos[d] += 1
+        remaining -= 1
+        progress = True
+    if not progress:
+      raise ValueError("the task schedule cannot run in lock step (device orders wait on each other)")
+  # ---- groups ---------------------------------------------------------------------------------
+  group_of: dict[tuple[int, Op], int] = {}
+  grouped: list[list[tuple[int, Op]]] = []
+  made_in: dict[Any, int] = {}
+  for slot in slots:
+    crosses = any(made_in.get(key, d) != d for d, op in slot for key in reads[(d, op)])
+    if crosses or not grouped:
+      grouped.append([])
+      made_in = {}
+    for d, op in sorted(slot):
+      grouped[-1].append((d, op))
+      group_of[(d, op)] = len(grouped) - 1
+      for key in makes[(d, op)]:
+        made_in[key] = d
+  # Readers of each value: (group, device).
+  readers: dict[Any, set[tuple[int, int]]] = {}
+  for task, keys in reads.items():
+    for key in keys:
+      readers.setdefault(key, set()).add((group_of[task], task[0]))
+  loss_keys = [("a", loss_var, c) for c in range(k)]
+  loss_device = assignment[node_out[loss_var]] if loss_var in node_out else 0
+  for key in loss_keys:
+    readers.setdefault(key, set()).add((END, loss_device))
+  # ---- per group: outputs, regions, locations ----------------------------------------------------
+  locs: dict[tuple[Any, int], Loc] = {}
+  layouts = []
+  for g, tasks in enumerate(grouped):
+    out_keys: list[tuple[int, Any]] = []  # (maker device, key), in task order
+    for d, op in tasks:
+      for key in makes[(d, op)]:
+        later = [(gg, r) for gg, r in readers.get(key, ()) if gg > g or gg == END]
+        if later:
+          out_keys.append((d, key))
+    payload: dict[tuple[int, str], dict[int, list[Any]]] = {}
+    kept: dict[str, dict[int, list[Any]]] = {}
+    for d, key in out_keys:
+      dt = np.dtype(avals[key].dtype).name
+      dests = sorted({r for gg, r in readers[key] if (gg > g or gg == END) and r != d})
+      for r in dests:
+        payload.setdefault(((r - d) % devices, dt), {}).setdefault(d, []).append(key)
+      if not dests:
+        kept.setdefault(dt, {}).setdefault(d, []).append(key)
+    sizes: dict[str, int] = {}
+    regions: dict[tuple[int, str], tuple[int, int]] = {}
+    writes: dict[int, list[tuple[Any, str, int, tuple[int, ...]]]] = {d: [] for d in range(devices)}
+    size_of = lambda key: int(math.prod(avals[key].shape))  # noqa: E731
+    for (s, dt), by_src in sorted(payload.items()):
+      start = sizes.get(dt, 0)
+      length = max(sum(size_of(key) for key in keys) for keys in by_src.values())
+      regions[(s, dt)] = (start, length)
+      sizes[dt] = start + length
+      for src, keys in by_src.items():
+        off = 0
+        for key in keys:
+          shape = tuple(avals[key].shape)
+          writes[src].append((key, dt, start + off, shape))
+          locs.setdefault((key, src), Loc(("out", g, dt), start + off, shape, dt))
+          locs[(key, (src + s) % devices)] = Loc(("recv", g, s, dt), off, shape, dt)
+          off += size_of(key)
+    for dt, by_dev in sorted(kept.items()):
+      start = sizes.get(dt, 0)
+      length = max(sum(size_of(key) for key in keys) for keys in by_dev.values())
+      sizes[dt] = start + length
+      for d, keys in by_dev.items():
+        off = 0
+        for key in keys:
+          shape = tuple(avals[key].shape)
+          writes[d].append((key, dt, start + off, shape))
+          locs[(key, d)] = Loc(("out", g, dt), start + off, shape, dt)
+          off += size_of(key)
+    layouts.append(GroupLayout(tasks=tasks, sizes=sizes, regions=regions, writes=writes))
+  return Structure(
+    schedule=schedule, groups=layouts, locs=locs, reads=reads, makes=makes, avals=avals,
+    ct_sources=ct_sources, loss_keys=loss_keys, loss_device=loss_device, devices=devices,
+  )
+
+
+def live_bytes(structure: Structure) -> list[int]:
+  """Bytes of group and message buffers alive after each group (every device holds the same).
+
+  A group's output buffer lives from its group to the last group that reads from it (the end
+  for the loss); a message buffer likewise. This is the program's activation + residual memory
+  over the step, as the lock-step SPMD program allocates it.
+  """
+  last: dict[tuple, int] = {}
+  n = len(structure.groups)
+  # Last reading group per buffer: from each read's location.
+  group_of_task = {}
+  for g, lay in enumerate(structure.groups):
+    for d, op in lay.tasks:
+      group_of_task[(d, op)] = g
+  for (d, op), keys in structure.reads.items():
+    g = group_of_task[(d, op)]
+    for key in keys:
+      loc = structure.locs.get((key, d))
+      if loc is not None:
+        last[loc.buf] = max(last.get(loc.buf, -1), g)
+  for key in structure.loss_keys:
+    loc = structure.locs.get((key, structure.loss_device))
+    if loc is not None:
+      last[loc.buf] = n
+  size: dict[tuple, int] = {}
+  born: dict[tuple, int] = {}
+  for g, lay in enumerate(structure.groups):
+    for dt, length in lay.sizes.items():
+      size[("out", g, dt)] = length * np.dtype(dt).itemsize
+      born[("out", g, dt)] = g
+    for (s, dt), (_, length) in lay.regions.items():
+      size[("recv", g, s, dt)] = length * np.dtype(dt).itemsize
+      born[("recv", g, s, dt)] = g
+  out = []
+  for g in range(n):
+    out.append(sum(b for buf, b in size.items() if born[buf] <= g <= last.get(buf, born[buf])))
+  return out
