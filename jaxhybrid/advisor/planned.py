@@ -123,6 +123,16 @@ class SMPSearch:
     d["best"] = {str(e.m): e.to_json() for e in self.estimates()}
     return d
 
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> SMPSearch:
+    """Inverse of `to_json` (e.g. the `s_mp_search` that project.py saves per model)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw["candidates"] = tuple(Candidate(**c) for c in d["candidates"])
+    kw["config"] = SearchConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in d["config"].items()})
+    return cls(**kw)
+
 
 # --- The two replaceable seams ---------------------------------------------------------------
 
