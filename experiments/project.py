@@ -50,8 +50,9 @@ _PLAN = flags.DEFINE_string("plan", None, "Plan JSON: S_MP = its predicted_speed
 _BENCH = flags.DEFINE_string("planner_bench", None, "Planner bench JSON: S_MP per model and M.")
 _B_NOISE = flags.DEFINE_list(
   "b_noise", [], "Gradient noise scale: value, measured:<metrics.jsonl>, or model=either.")
-_B_NOISE_MODE = flags.DEFINE_enum("b_noise_mode", "trajectory", list(projection.measured_noise.MODES),
-                                  "Measured noise scale: integrate the run, or its mean.")
+_B_NOISE_MODE = flags.DEFINE_enum(
+  "b_noise_mode", "trajectory", list(projection.measured_noise.MODES),
+  "Measured noise scale: integrate the run, or its mean.")
 _S_MP_SOURCE = flags.DEFINE_enum("s_mp_source", "planner", ["planner", "paper"],
                                  "S_MP from our planner (default) or the paper's figures.")
 _SEARCH_DEVICES = flags.DEFINE_list("search_devices", ["2", "4", "8"], "M values planned.")
@@ -178,8 +179,9 @@ def main(argv):
     for key, value in p.assumptions:
       print(f"  {key}: {value}")
     print()
+  source = "user" if (_S_MP.value or _PLAN.value or _BENCH.value) else _S_MP_SOURCE.value
   print(f"{'model':<14} {'S_MP':>6} {'N*':>6} {'our gain':>9} {'paper':>7}   (hybrid over best "
-        f"DP, at scale; S_MP from {_S_MP_SOURCE.value if not (_S_MP.value or _PLAN.value) else 'user'})")
+        f"DP, at scale; S_MP from {source})")
   for p in results:
     paper = paper_scenario.PAPER_GAINS.get(p.model)
     print(

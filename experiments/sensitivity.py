@@ -69,7 +69,8 @@ def main(argv):
     for case, r in d["rows"].items():
       print(f"{name:<13} {case:<14} {r['s_mp']:>6.3f} {r['gain'] * 100:>6.1f}% "
             f"{str(r['crossover']):>6}")
-    print(f"{name:<13} paper's gain {d['paper_gain'] * 100:.1f}%; largest move: {d['largest_move']}")
+    print(f"{name:<13} paper's gain {d['paper_gain'] * 100:.1f}%; "
+          f"largest move: {d['largest_move']}")
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value, "w") as f:
     json.dump(out, f, indent=1)

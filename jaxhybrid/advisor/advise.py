@@ -99,7 +99,8 @@ def advise_workload(
         planner=e.planner if e else "", s_mp=w.speedup_mp(m), step_s=step,
         se=w.se.se(n // m * w.per_worker_batch, w.per_worker_batch), speedup=s,
         time_to_accuracy_h=None if t1 is None else t1 / s / 3600,
-        memory_bytes_per_device=e.memory_bytes_per_device if e else found.single_device_memory_bytes,
+        memory_bytes_per_device=(e.memory_bytes_per_device if e
+                                 else found.single_device_memory_bytes),
         fits=bool(e.fits) if e else found.single_device_fits,
       ))
     fitting = [o for o in row if o.fits]
@@ -121,7 +122,8 @@ def advise_workload(
     f"{found.config.usable_memory_fraction:g} x {hw.memory_bytes / 1e9:.1f} GB")
   notes["crossover"] = ("smallest N where a fitting hybrid beats data parallelism"
                         if found.single_device_fits else
-                        "data parallelism does not fit one device: smallest N with a fitting hybrid")
+                        "data parallelism does not fit one device: smallest N with a fitting "
+                        "hybrid")
   return Advice(
     model=w.name, hardware=hw.name, devices=grid, recommended=tuple(recommended),
     best_dp=tuple(best_dp), options=tuple(options), crossover_devices=cross,

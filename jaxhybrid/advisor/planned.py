@@ -115,7 +115,8 @@ class SMPSearch:
 
   def estimates(self, *, fitting_only: bool = False) -> tuple[SMPEstimate, ...]:
     """The best S_MP per M of the grid (Ms without a plan left out)."""
-    out = (self.estimate(m, fitting_only=fitting_only) for m in sorted({c.m for c in self.candidates}))
+    ms = sorted({c.m for c in self.candidates})
+    out = (self.estimate(m, fitting_only=fitting_only) for m in ms)
     return tuple(e for e in out if e is not None)
 
   def to_json(self) -> dict[str, Any]:

@@ -369,14 +369,10 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
 
 
 def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
-  """The DP-vs-hybrid projection of the model's paper scenario, with S_MP from our planner.
-
-  The model is traced at paper size (abstractly) at the paper's per-GPU batch on the run's
-  hardware (a DGX profile; dgx1-v100 otherwise) and planned for M = the run's model axis (2 on a
-  1-wide axis) with every k of `jaxhybrid.advisor.SearchConfig` and the heuristics plus this
-  run's MILP time limit (at most 5 s); each plan is priced as the program runs (lock step) and
-  the best one gives S_MP. `plan` is this run's own plan (kept for the report; at tiny size its
-  speedup says nothing about the paper model's).
+  """The paper scenario's projection, S_MP from our planner: the model traced at paper size and
+  the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
+  if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
+  the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
 
   Returns:
     (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
@@ -389,16 +385,9 @@ def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
   hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
   hw = hardware.get(hw_name)
   m = model_axis if model_axis >= 2 else 2
-  pm = paper_scenario.PAPER_MODELS.get(config.model)
-  if pm is None:
-    raise ValueError(f"no paper scenario for {config.model!r}")
-  search = advisor.SearchConfig(
-    devices=(m,), planners=(*advisor.planned.HEURISTICS, "milp"),
-    time_limit_s=min(config.time_limit_s, 5.0), seed=config.seed,
-  )
-  found = advisor.planned_s_mp(config.model, size="paper", per_worker_batch=pm.per_gpu_batch,
-                               hardware=hw.name, config=search)
-  est = found.estimate(m)
+  search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
+                                seed=config.seed)
+  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8]).s_mp[0]
   w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
   p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
   return p, est
