@@ -9,7 +9,8 @@ The flow, one sub-package per step (each `__init__` says what it owns and may im
   train/       the training loop, checkpoints, and the run behind experiments/run.py
   projection/  DP vs hybrid time-to-accuracy at scale, statistical efficiency
 
-`api.parallelize` chains trace -> cost -> place -> compile in one call. Leaf modules shared by
+`api.parallelize` chains trace -> cost -> place -> compile in one call; `advisor` (and
+`jaxhybrid.advise`) plans a model at scale and says where hybrid parallelism wins. Leaf modules shared by
 several steps: `mesh` (the only place a mesh is made), `noise_scale` (gradient noise scale
 estimators), `errors` (one-line user errors). `models` (installed from models/) holds the paper's
 models and data and knows nothing of parallelism.
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 # Public names and the modules they load. `hardware` is a shortcut for `jaxhybrid.costs.hardware`.
 _LAZY = {
+  "advisor": "jaxhybrid.advisor",
   "api": "jaxhybrid.api",
   "costs": "jaxhybrid.costs",
   "errors": "jaxhybrid.errors",
@@ -41,7 +43,14 @@ _LAZY = {
   "train": "jaxhybrid.train",
 }
 
-__all__ = ["parallelize", *sorted(_LAZY)]
+__all__ = ["advise", "parallelize", *sorted(_LAZY)]
+
+
+def advise(*args, **kwargs):
+  """Where hybrid parallelism wins for a Flax module; see `jaxhybrid.advisor.advise`."""
+  from jaxhybrid import advisor
+
+  return advisor.advise(*args, **kwargs)
 
 
 def parallelize(*args, **kwargs):

@@ -24,6 +24,7 @@ def _workload(*, b=1, t=0.1, grad_bytes=0.0, b_noise=96.0, s_mp=1.5, se=None):
     grad_bytes=grad_bytes,
     se=se or stat_eff.NoiseScaleSE(b_noise=b_noise),
     s_mp=((2, s_mp),),
+    s_mp_source=((2, "user: test value"),),
   )
 
 
@@ -155,16 +156,18 @@ def test_flop_and_measured_step_time():
 
 
 def test_paper_workloads_and_projection_json(tmp_path):
-  w = paper_scenario.paper_workload("inception_v3", V100)
+  w = paper_scenario.paper_workload(
+    "inception_v3", V100, s_mp=[paper_scenario.paper_s_mp("inception_v3")])
   assert w.per_worker_batch == 64 and w.speedup_mp(2) == 1.32
+  assert w.s_mp_source_of(2).startswith("paper: ")
   # 3 x 11.42 GFLOP per image x 64 at 15.7 TFLOP/s x 0.5.
   assert w.step_time(64) == pytest.approx(64 * 3 * 2 * 5.71e9 / (15.7e12 * 0.5))
   w2 = paper_scenario.paper_workload("gnmt", V100, s_mp_2=1.5, step_time_s=0.25, b_noise=1000)
   assert w2.speedup_mp(2) == 1.5 and w2.step_time(128) == 0.25
   assert w2.se.b_noise == 1000
-  assert "given by the user" in dict(w2.assumptions)["s_mp_2"]
+  assert w2.s_mp_source_of(2).startswith("user: ")
   with pytest.raises(ValueError, match="biglstm"):
-    paper_scenario.paper_workload("resnet", V100)
+    paper_scenario.paper_workload("resnet", V100, s_mp_2=1.1)
   p = projection.project(w, V100, projection.CommConfig(), [8, 16, 32, 64], m=2)
   d = json.loads(json.dumps(p.to_json()))
   for key in ("crossover_devices", "gain_at_scale", "s_mp", "s_dp", "s_hyb", "assumptions"):

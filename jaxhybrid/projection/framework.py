@@ -232,6 +232,8 @@ class Workload:
   grad_bytes: float  # P: gradient bytes all-reduced per step by a DP worker
   se: stat_eff.SECurve  # SE(B): statistical efficiency versus global batch
   s_mp: tuple[tuple[int, float], ...] = ()  # (M, S_MP(M)) known model-parallel speedups
+  s_mp_source: tuple[tuple[int, str], ...] = ()  # (M, where S_MP(M) comes from): one per s_mp
+  # entry ('planner: ...', 'paper: ...', 'user: ...'; see projection.s_mp.SMPEstimate)
   mp_grad_share: tuple[tuple[int, float], ...] = ()  # (M, largest share of P one device of a
   # worker holds); default 1/M (parameters balanced across the worker's devices; assumption)
   dataset_size: float | None = None  # D samples per epoch (only scales time-to-accuracy)
@@ -247,6 +249,24 @@ class Workload:
     for m, s in self.s_mp:
       if m < 1 or s <= 0:
         raise ValueError(f"s_mp entry ({m}, {s}): need M >= 1 and S_MP > 0.")
+    missing = sorted({m for m, _ in self.s_mp} - {m for m, _ in self.s_mp_source})
+    if missing:
+      raise ValueError(
+        f"Workload {self.name!r}: S_MP for M={missing} has no source; pass s_mp_source "
+        "(e.g. Workload.with_s_mp(estimates)) saying where each S_MP comes from."
+      )
+
+  def with_s_mp(self, estimates: Sequence[Any]) -> Workload:
+    """A copy whose S_MP table is `estimates` (`projection.s_mp.SMPEstimate`s), with sources."""
+    return dataclasses.replace(
+      self,
+      s_mp=tuple((e.m, e.s_mp) for e in estimates),
+      s_mp_source=tuple((e.m, e.source) for e in estimates),
+    )
+
+  def s_mp_source_of(self, m: int) -> str:
+    """Where S_MP(M) comes from ('' for M = 1, which needs none)."""
+    return dict(self.s_mp_source).get(m, "")
 
   def speedup_mp(self, m: int) -> float:
     """S_MP(M); 1 for M = 1. Raises ValueError if M has no known speedup."""
@@ -371,6 +391,7 @@ class Projection:
   gain_at_max_devices: float  # S_hyb / S_DP - 1 at the largest N
   best: tuple[tuple[int, int, int, float], ...]  # (N, W, M, speedup) best factorisation per N
   assumptions: tuple[tuple[str, str], ...]  # (name, value and why)
+  s_mp_source: str = ""  # where S_MP(M) comes from (Workload.s_mp_source)
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -389,7 +410,7 @@ def assumptions(w: Workload, hw: hw_lib.Hardware, comm: CommConfig) -> tuple[tup
      + (f": {describe()}" if describe else "")),
     ("gradient_bytes", f"{w.grad_bytes / 1e6:.1f} MB per DP worker per step"),
     ("se_curve", w.se.describe()),
-    ("s_mp", ", ".join(f"M={m}: {s:g}" for m, s in w.s_mp) or "none"),
+    ("s_mp", ", ".join(f"M={m}: {s:g} [{w.s_mp_source_of(m)}]" for m, s in w.s_mp) or "none"),
     ("mp_grad_share", ", ".join(f"M={m}: {s:g}" for m, s in w.mp_grad_share) or "1/M (balanced)"),
     ("overlap", f"{comm.overlap:g} of the all-reduce hidden behind the backward pass"),
     ("link_efficiency", f"{comm.link_efficiency:g} of NVLink/NVSwitch bandwidth"),
@@ -446,4 +467,5 @@ def project(
     gain_at_max_devices=s_hyb[-1] / s_dp[-1] - 1,
     best=tuple((n, *best_factorisation(w, n, hw, comm)) for n in grid),
     assumptions=assumptions(w, hw, comm),
+    s_mp_source=w.s_mp_source_of(m),
   )

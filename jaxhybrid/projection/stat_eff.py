@@ -162,4 +162,57 @@ def se_from_csv(path: str) -> MeasuredSE:
   return MeasuredSE(points=tuple(points), unit=header[1], source=path)
 
 
-SECurve = PerfectScaling | NoiseScaleSE | MeasuredSE
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrajectorySE:
+  """A noise scale that changes over training, integrated over a measured run.
+
+  McCandlish et al. 2018 (section 2.3) write the steps-to-target relation for a noise scale that
+  changes as training proceeds (it grows as the loss falls) step by step:
+  dS = dS_min (1 + B_noise(s) / B). A reference run at global batch B_run that measured B_noise_i
+  at its steps i = 1..T made dS_min_i = 1 / (1 + B_noise_i / B_run) of progress per step, so a run
+  at batch B needs
+
+    S(B) = sum_i (1 + B_noise_i / B) / (1 + B_noise_i / B_run)
+
+  steps to cover the same progress, and E(B) is proportional to S(B) B. With a constant noise
+  scale this is `NoiseScaleSE` exactly. Assumption (named): the measured run's trajectory is the
+  trajectory to the target; a short run covers only the start of training, where the noise
+  scale is smallest, and then under-states how much larger batches cost later.
+  """
+
+  b_noise: tuple[float, ...]  # B_noise_i at each step (or equal slices) of the reference run
+  run_batch: float  # B_run: the global batch of the reference run
+  source: str = ""  # where the values come from (a metrics.jsonl path)
+
+  def __post_init__(self):
+    vals = tuple(float(v) for v in self.b_noise)
+    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
+      raise ValueError(
+        f"TrajectorySE needs positive finite noise scales, got {len(vals)} values "
+        f"(min {min(vals, default=float('nan'))}); drop warm-up or non-finite steps first."
+      )
+    if not self.run_batch > 0:
+      raise ValueError(f"run_batch={self.run_batch} must be the reference run's global batch > 0.")
+    object.__setattr__(self, "b_noise", vals)
+
+  def steps(self, global_batch: float) -> float:
+    """S(B) in steps of the reference run's length (S(B_run) = number of values)."""
+    b, r = global_batch, self.run_batch
+    return sum((1.0 + v / b) / (1.0 + v / r) for v in self.b_noise)
+
+  def relative_epochs(self, global_batch: float) -> float:
+    return self.steps(global_batch) * global_batch
+
+  def se(self, global_batch: float, base_batch: float) -> float:
+    return self.relative_epochs(base_batch) / self.relative_epochs(global_batch)
+
+  def describe(self) -> str:
+    v = self.b_noise
+    return (
+      f"noise scale integrated over a measured run ({len(v)} steps at B_run={self.run_batch:g}, "
+      f"B_noise {min(v):.4g} .. {max(v):.4g}, mean {sum(v) / len(v):.4g})"
+      + (f" [{self.source}]" if self.source else "")
+    )
+
+
+SECurve = PerfectScaling | NoiseScaleSE | MeasuredSE | TrajectorySE

@@ -369,24 +369,28 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
 
 
 def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
-  """The DP-vs-hybrid projection of the model's paper scenario.
+  """The paper scenario's projection, S_MP from our planner: the model traced at paper size and
+  the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
+  if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
+  the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
 
-  S_MP comes from this run's plan when it was made at paper size on a DGX profile; otherwise the
-  paper scenario's default S_MP(2) is used (a tiny model's S_MP says nothing about the paper's).
+  Returns:
+    (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
   """
-  from jaxhybrid import projection
+  del plan
+  from jaxhybrid import advisor, projection
   from jaxhybrid.costs import hardware
   from jaxhybrid.projection import paper_scenario
 
   hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
   hw = hardware.get(hw_name)
-  from_plan = config.size == "paper" and model_axis >= 2 and plan.hardware.startswith("dgx")
-  m = model_axis if from_plan else 2
-  w = paper_scenario.paper_workload(config.model, hw)
-  if from_plan:
-    w = dataclasses.replace(w, s_mp=((m, plan.predicted_speedup),))
+  m = model_axis if model_axis >= 2 else 2
+  search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
+                                seed=config.seed)
+  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8]).s_mp[0]
+  w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
   p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
-  return p, ("this run's plan" if from_plan else "paper-scenario default")
+  return p, est
 
 
 def _replicate_step(state: Any, mesh: Any) -> Any:
@@ -480,8 +484,8 @@ def run(config: RunConfig) -> dict[str, Any]:
   }
   if config.projection:
     try:
-      proj, source = project(config, hybrid.plan, hybrid.mesh.shape[mesh_lib.MODEL])
-      results["projection"] = {**proj.to_json(), "s_mp_source": source}
+      proj, est = project(config, hybrid.plan, hybrid.mesh.shape[mesh_lib.MODEL])
+      results["projection"] = {**proj.to_json(), "s_mp_plan": est.to_json()}
       results["projection_table"] = projection_lib.format_table(proj)
       if primary:
         projection_lib.plot([proj], os.path.join(wd, "projection.png"))
