@@ -32,6 +32,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import MODEL
+from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import ParamLayout
 
@@ -111,6 +112,64 @@ class NodeCalls:
       consts=tuple(i if k == "const" else None for k, i in kinds),
     )
     return self._res[nid]
+
+
+def structure_for(
+  graph: graph_lib.OpGraph,
+  assignment: Sequence[int],
+  devices: int,
+  microbatches: int,
+  schedule: str | sched_lib.TaskSchedule = sched_lib.DEFAULT_KIND,
+  *,
+  order: Sequence[tuple[int, int]] | None = None,
+  forward_s: Sequence[float] | None = None,
+  branch_remat: str = "none",
+  remat: frozenset[int] = frozenset(),
+  canonical_convs: bool = False,
+) -> tuple[sched_lib.TaskSchedule, tasks_lib.Structure, NodeCalls]:
+  """The task schedule, lock-step structure and node calls of a placement (no mesh needed).
+
+  Args:
+    graph, assignment, devices, microbatches: the placed graph.
+    schedule: 'gpipe', '1f1b' or 'zb' (generated from the placement), or a TaskSchedule.
+    order: (node, micro-batch) forward priority (e.g. a plan's start order).
+    forward_s: estimated forward time per node for generating the schedule (default: FLOPs).
+    branch_remat: 'none', 'dots' or 'full' (every node rematerialised).
+    remat: nodes whose forward saves nothing.
+    canonical_convs: replay convolutions in the canonical layout (`graph.convs`).
+
+  Raises:
+    ValueError: a schedule that does not fit the placement.
+  """
+  remat_policy(branch_remat)  # validates the name
+  assignment = tuple(int(a) for a in assignment)
+  edges = [(e.src, e.dst) for e in graph.edges]
+  if isinstance(schedule, str):
+    fwd = forward_s if forward_s is not None else [max(n.flops, 1.0) for n in graph.nodes]
+    schedule = sched_lib.generate(
+      schedule, len(graph.nodes), edges, assignment, devices, microbatches, forward_s=fwd,
+      order=order,
+    )
+  if schedule.microbatches != microbatches:
+    raise ValueError(
+      f"the schedule is for {schedule.microbatches} micro-batches but the program runs "
+      f"{microbatches}: generate it for microbatches={microbatches}"
+    )
+  if len(schedule.devices) != devices:
+    raise ValueError(
+      f"the schedule is for {len(schedule.devices)} model-axis devices but the mesh has {devices}"
+    )
+  sched_lib.validate(schedule, len(graph.nodes), edges, assignment)
+  if branch_remat == "full":
+    remat = frozenset(range(len(graph.nodes)))
+  calls = NodeCalls(
+    graph=graph, canonical_convs=canonical_convs, branch_remat=branch_remat, remat=remat
+  )
+  consts = dict(zip(graph.jaxpr.constvars, graph.closed_jaxpr.consts))
+  structure = tasks_lib.build(
+    graph, assignment, schedule, lambda nid: calls.residuals(nid, consts), remat
+  )
+  return schedule, structure, calls
 
 
 @dataclasses.dataclass

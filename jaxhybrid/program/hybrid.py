@@ -38,7 +38,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
-from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.program import executor, param_rows
@@ -190,42 +189,20 @@ class HybridProgram:
     state_leaves = tuple(jax.tree.leaves(state)) if state is not None else ()
     if len(state_leaves) != n_state:
       raise ValueError(f"the graph reads {n_state} state leaves, got {len(state_leaves)}")
-    remat_policy(branch_remat)  # validates the name
     names = {n.name: n.id for n in graph.nodes}
     unknown = [r for r in remat if r not in names]
     if unknown:
       raise ValueError(f"remat names unknown nodes {unknown}; known: {sorted(names)[:10]}...")
     assignment = tuple(int(a) for a in assignment)
-    edges = [(e.src, e.dst) for e in graph.edges]
-    if isinstance(schedule, str):
-      fwd = forward_s if forward_s is not None else [max(n.flops, 1.0) for n in graph.nodes]
-      schedule = sched_lib.generate(
-        schedule, len(graph.nodes), edges, assignment, M, microbatches, forward_s=fwd,
-        order=order,
-      )
-    if schedule.microbatches != microbatches:
-      raise ValueError(
-        f"the schedule is for {schedule.microbatches} micro-batches but the program runs "
-        f"{microbatches}: generate it for microbatches={microbatches}"
-      )
-    if len(schedule.devices) != M:
-      raise ValueError(
-        f"the schedule is for {len(schedule.devices)} model-axis devices but the mesh has {M}"
-      )
-    sched_lib.validate(schedule, len(graph.nodes), edges, assignment)
-    remat_ids = frozenset(names[r] for r in remat)
-    if branch_remat == "full":
-      remat_ids = frozenset(range(len(graph.nodes)))
     canonical = (
       mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
     )
-    calls = executor.NodeCalls(
-      graph=graph, canonical_convs=canonical, branch_remat=branch_remat, remat=remat_ids
+    schedule, structure, calls = executor.structure_for(
+      graph, assignment, M, microbatches, schedule, order=order, forward_s=forward_s,
+      branch_remat=branch_remat, remat=frozenset(names[r] for r in remat),
+      canonical_convs=canonical,
     )
-    consts = dict(zip(graph.jaxpr.constvars, graph.closed_jaxpr.consts))
-    structure = tasks_lib.build(
-      graph, assignment, schedule, lambda nid: calls.residuals(nid, consts), remat_ids
-    )
+    remat_ids = calls.remat
     return cls(
       graph=graph, mesh=mesh, optimizer=optimizer, assignment=assignment,
       microbatches=microbatches, layout=param_layout(graph, assignment, M),

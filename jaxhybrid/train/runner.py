@@ -346,19 +346,16 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
   shard.
 
   The per-worker step is the lock-step price of the plan as the program runs it
-  (`jaxhybrid.program.lockstep`: groups in lock step, transfers not overlapping compute; the optimizer
-  and zero-fill passes are left out, they need timing on the device); `plan_step_s` keeps the
-  plan's own asynchronous schedule for comparison.
+  (`jaxhybrid.program.lockstep`: the program's task groups in lock step, transfers not
+  overlapping compute; the optimizer and buffer-fill passes are left out, they need timing on the
+  device); `plan_step_s` keeps the plan's own asynchronous schedule for comparison.
   """
   from jaxhybrid import api
   from jaxhybrid.program import lockstep
 
   costs = api.default_costs(hardware)
   prog = hybrid.program
-  lock = lockstep.plan_step_s(
-    hybrid.graph, hybrid.plan, costs, pack_max_bytes=prog.pack_max_bytes,
-    branch_remat=prog.branch_remat,
-  ).step_s
+  lock = lockstep.program_step_s(hybrid.graph, prog.structure, prog.assignment, costs).step_s
   lay = hybrid.program.layout
   shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
   grad_bytes = max(lay.bytes_per_device()) + shared
