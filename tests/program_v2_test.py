@@ -59,20 +59,15 @@ def test_tied_weights_and_towers_every_schedule(schedule, mesh_spec):
 
 
 def _cond_outputs(prog, params, batch):
-  """Per `cond` of the traced step, in order: bytes of its outputs (gradient carry excluded)."""
+  """Per `cond` of the traced step, in order: bytes of all its outputs."""
   ts = prog.init_state(jax.tree.leaves(params))
   closed = jax.make_jaxpr(prog.step_fn())(ts, prog.shard_batch(batch))
-  grad_shapes = {(n,) for _, n in prog.layout.sizes}
   found = []
 
   def walk(jaxpr):
     for e in jaxpr.eqns:
       if e.primitive.name == "cond":
-        outs = [v.aval for v in e.outvars]
-        # The gradient rows ride through the conditional; they are not outputs of the tasks.
-        found.append(sum(
-          int(np.prod(a.shape)) * a.dtype.itemsize for a in outs if tuple(a.shape) not in grad_shapes
-        ))
+        found.append(sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in e.outvars))
       for p in e.params.values():
         for q in p if isinstance(p, (list, tuple)) else [p]:
           if hasattr(q, "eqns"):
@@ -95,7 +90,13 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
   )
   st = prog.structure
   per_group = [st.output_bytes(g) for g in range(len(st.groups))]
-  assert [b for b in _cond_outputs(prog, p, batch) if b] == [b for b in per_group if b]
+  # The conditional also returns the group's gradient window (one node's parameter gradients).
+  windows = executor.gradient_windows(st, prog.graph, prog.layout)
+  want = [
+    b + sum(n * np.dtype(dt).itemsize for dt, (n, _) in (w or {}).items())
+    for b, w in zip(per_group, windows)
+  ]
+  assert [b for b in _cond_outputs(prog, p, batch) if b] == [b for b in want if b]
   union_smaller = 0
   for g, lay in enumerate(st.groups):
     by_dev = {}

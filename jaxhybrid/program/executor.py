@@ -172,6 +172,43 @@ def structure_for(
   return schedule, structure, calls
 
 
+def gradient_windows(
+  st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout
+) -> list[dict[str, tuple[int, list[int]]] | None]:
+  """Per group (None without gradient tasks), per dtype: (length L, per-device start) of the
+  window of the device's gradient row that holds every owned leaf its gradient task of the group
+  touches; starts are clamped so the window fits the row. The window leaves the conditional and
+  is added into the row outside it (a row carried through a conditional is copied by XLA)."""
+  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
+  sizes = dict(layout.sizes)
+  M = st.devices
+  out: list[dict[str, tuple[int, list[int]]] | None] = []
+  for lay in st.groups:
+    lo: dict[tuple[str, int], int] = {}
+    hi: dict[tuple[str, int], int] = {}
+    has = False
+    for d, op in lay.tasks:
+      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+        continue
+      has = True
+      for v in graph.nodes[op.node].invars:
+        if v in kinds and kinds[v][0] == graph_lib.PARAM and layout.owner[kinds[v][1]] >= 0:
+          idx = kinds[v][1]
+          key = (layout.dtypes[idx], d)
+          off = layout.offset[idx]
+          lo[key] = min(lo.get(key, off), off)
+          hi[key] = max(hi.get(key, 0), off + math.prod(layout.shapes[idx]))
+    if not has:
+      out.append(None)
+      continue
+    wins = {}
+    for dt in sorted({dt for dt, _ in lo}):
+      length = max(hi[(dt, d)] - lo[(dt, d)] for (kdt, d) in lo if kdt == dt)
+      wins[dt] = (length, [min(lo.get((dt, d), 0), sizes[dt] - length) for d in range(M)])
+    out.append(wins)
+  return out
+
+
 @dataclasses.dataclass
 class Inputs:
   """What the branches read besides values: own parameter row, shared leaves, state, batch."""
@@ -215,9 +252,11 @@ def run_groups(
     off = layout.offset[idx]
     return lax.slice(rows[layout.dtypes[idx]], (off,), (off + n,)).reshape(layout.shapes[idx])
 
-  def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, carry_grads: bool):
+  def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, windows: dict | None):
     def branch(carry):
-      rows_g, sh_g = carry
+      sh_g = carry
+      # This group's parameter gradients, in a window of this device's gradient row.
+      rows_g = {dt: jnp.zeros((n,), dt) for dt, (n, _) in (windows or {}).items()}
       local: dict[Any, jax.Array] = {}
       pullbacks: dict[tuple[int, int], Any] = {}
 
@@ -319,7 +358,8 @@ def run_groups(
               j = shared_pos[idx]
               sh_g = sh_g[:j] + [sh_g[j] + gv] + sh_g[j + 1 :]
             else:
-              dt, off = layout.dtypes[idx], layout.offset[idx]
+              dt = layout.dtypes[idx]
+              off = layout.offset[idx] - windows[dt][1][d]
               n = math.prod(layout.shapes[idx])
               row = rows_g[dt]
               cur = lax.slice(row, (off,), (off + n,))
@@ -337,21 +377,31 @@ def run_groups(
         if lay.sizes[dt] > pos:
           parts.append(jnp.zeros((lay.sizes[dt] - pos,), dt))
         outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-      return outs, (rows_g, sh_g) if carry_grads else None
+      if windows is None:
+        return outs, None
+      return outs, ([rows_g[dt] for dt in sorted(windows)], sh_g)
 
     return branch
 
+  all_windows = gradient_windows(st, g, layout)
   for gi, lay in enumerate(st.groups):
-    carry_grads = any(op.kind == "W" or (op.kind == "B" and not st.schedule.split)
-                      for _, op in lay.tasks)
-    carry = (grads, gshared) if carry_grads else ({}, [])
+    windows = all_windows[gi]
+    carry_grads = windows is not None
+    carry = gshared if carry_grads else []
     if M == 1:
-      outs, new = make_branch(gi, 0, lay, carry_grads)(carry)
+      outs, new = make_branch(gi, 0, lay, windows)(carry)
     else:
-      branches = [make_branch(gi, d, lay, carry_grads) for d in range(M)]
+      branches = [make_branch(gi, d, lay, windows) for d in range(M)]
       outs, new = lax.switch(me, branches, carry)
     if carry_grads:
-      grads, gshared = new
+      wins, gshared = new
+      # Add the window into this device's own row outside the conditional, in place: a whole
+      # row carried through a conditional is copied by XLA on the way in and out.
+      for dt, win in zip(sorted(windows), wins):
+        _, starts = windows[dt]
+        start = jnp.asarray(starts, jnp.int32)[me] if M > 1 else starts[0]
+        cur = lax.dynamic_slice(grads[dt], (start,), (win.shape[0],))
+        grads[dt] = lax.dynamic_update_slice(grads[dt], cur + win, (start,))
     for dt, buf in zip(sorted(lay.sizes), outs):
       bufs[("out", gi, dt)] = buf
     for s, dt, start, length in st.message_plan(gi):

@@ -354,6 +354,17 @@ class HybridProgram:
       out.append(_global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P())))
     return out
 
+  def memory(self, *, compile: bool = True):
+    """Per-device memory of the step: our prediction and XLA's compiled analysis.
+
+    Lowers from abstract inputs (`jax.ShapeDtypeStruct`s with shardings), so nothing is
+    allocated: paper-size models can be checked for fit on any host. See
+    `jaxhybrid.program.memory.MemoryReport` (and its `table()`).
+    """
+    from jaxhybrid.program import memory
+
+    return memory.report(self, compile=compile)
+
   def lower(self, ts: TrainState, batch: Any):
     """Lowers the step (for HLO inspection and `compile().memory_analysis()`)."""
     return self.step_fn().lower(ts, self.shard_batch(batch))

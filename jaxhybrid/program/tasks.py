@@ -210,11 +210,21 @@ def build(
   group_of: dict[tuple[int, Op], int] = {}
   grouped: list[list[tuple[int, Op]]] = []
   made_in: dict[Any, int] = {}
+  grad_devices: set[int] = set()  # devices with a gradient task in the current group
+
+  def grad_task(op: Op) -> bool:
+    return op.kind == "W" or (op.kind == "B" and not schedule.split)
+
   for slot in slots:
     crosses = any(made_in.get(key, d) != d for d, op in slot for key in reads[(d, op)])
+    # One gradient task per device and group: its parameter gradients leave the conditional in
+    # a window of the device's row, as small as one node's parameters.
+    crosses = crosses or any(grad_task(op) and d in grad_devices for d, op in slot)
     if crosses or not grouped:
       grouped.append([])
       made_in = {}
+      grad_devices = set()
+    grad_devices.update(d for d, op in slot if grad_task(op))
     for d, op in sorted(slot):
       grouped[-1].append((d, op))
       group_of[(d, op)] = len(grouped) - 1

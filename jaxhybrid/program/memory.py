@@ -1,0 +1,278 @@
+"""Will it fit? Per-device memory of a hybrid program: predicted by our model, and compiled.
+
+Predicted (bytes per model-axis device; every device holds buffers of the same sizes, SPMD):
+
+- parameters: the device's row per dtype (padded to the longest device's share) + shared leaves;
+- optimizer state: `optimizer.init` of those parameters (e.g. Adam: 2x, AdaGrad: 1x);
+- gradients: a gradient row + shared leaves, accumulated over the micro-batches;
+- live buffers: the peak over the step of the task groups' output buffers and messages
+  (activations, cotangents, residuals; `program.tasks.live_bytes`), which the schedule decides;
+- gradient window: the largest window of a gradient row one group's conditional returns (one
+  node's parameter gradients; `program.executor.gradient_windows`);
+- update: one parameter-sized buffer for the optimizer's updates (assumption, named here: XLA
+  materialises `updates` once before adding it to the donated parameters);
+- batch: this device's share of the global batch.
+
+Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
+(`jax.ShapeDtypeStruct` with shardings: nothing is allocated), arguments + temporaries per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid.mesh import DATA, MODEL
+from jaxhybrid.program import executor
+from jaxhybrid.program import tasks as tasks_lib
+
+GiB = 2**30
+
+
+def _nbytes(tree: Any) -> int:
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+  """Per-device memory of one program (bytes), predicted and, if compiled, measured by XLA."""
+
+  devices: int  # model-axis devices M
+  params: int
+  optimizer: int
+  gradients: int
+  live_peak: int
+  window: int
+  update: int
+  batch: int
+  # Per device: parameter bytes it owns (useful, excluding padding and shared leaves).
+  owned: tuple[int, ...]
+  # Row padding per device (the rows are as long as the longest device's share).
+  padding: tuple[int, ...]
+  compiled_arguments: int | None = None
+  compiled_temp: int | None = None
+  compiled_output: int | None = None
+  compiled_alias: int | None = None
+
+  @property
+  def predicted(self) -> int:
+    return (
+      self.params + self.optimizer + self.gradients + self.live_peak + self.window + self.update
+      + self.batch
+    )
+
+  @property
+  def compiled(self) -> int | None:
+    if self.compiled_arguments is None:
+      return None
+    return self.compiled_arguments + self.compiled_temp
+
+  @property
+  def error(self) -> float | None:
+    """(predicted - compiled) / compiled."""
+    c = self.compiled
+    return None if not c else (self.predicted - c) / c
+
+  def fits(self, capacity_bytes: float) -> bool:
+    """Whether the compiled (else predicted) bytes per device are within `capacity_bytes`."""
+    return (self.compiled if self.compiled is not None else self.predicted) <= capacity_bytes
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out.update(predicted=self.predicted, compiled=self.compiled, error=self.error)
+    return out
+
+  def table(self, capacity_bytes: float | None = None) -> str:
+    """A per-device table in GiB (the same on every model-axis device, SPMD)."""
+    rows = [
+      ("parameters (row + shared)", self.params), ("optimizer state", self.optimizer),
+      ("gradient row + shared", self.gradients), ("peak live buffers (act./res./msg.)",
+                                                   self.live_peak),
+      ("gradient window", self.window), ("optimizer updates", self.update), ("batch shard", self.batch),
+      ("predicted total", self.predicted),
+    ]
+    if self.compiled is not None:
+      rows += [
+        ("compiled arguments", self.compiled_arguments), ("compiled temporaries", self.compiled_temp),
+        ("compiled total", self.compiled),
+      ]
+    lines = [f"memory per device (model axis M={self.devices}), GiB:"]
+    lines += [f"  {name:<36} {b / GiB:10.3f}" for name, b in rows]
+    if self.error is not None:
+      lines.append(f"  {'predicted vs compiled':<36} {self.error:+10.1%}")
+    lines.append(
+      "  owned parameters per device: " + ", ".join(f"{b / GiB:.3f}" for b in self.owned)
+      + "; row padding: " + ", ".join(f"{b / GiB:.3f}" for b in self.padding)
+    )
+    if capacity_bytes is not None:
+      verdict = "fits" if self.fits(capacity_bytes) else "does NOT fit"
+      lines.append(f"  {verdict} in {capacity_bytes / GiB:.1f} GiB per device")
+    return "\n".join(lines)
+
+
+def abstract_params(prog: Any) -> dict[str, Any]:
+  """The program's parameters as `ShapeDtypeStruct`s with their shardings (nothing allocated)."""
+  lay, mesh = prog.layout, prog.mesh
+  rows = NamedSharding(mesh, P(MODEL, None))
+  rep = NamedSharding(mesh, P())
+  return {
+    "owned": {dt: jax.ShapeDtypeStruct((lay.devices, n), dt, sharding=rows) for dt, n in lay.sizes},
+    "shared": [
+      jax.ShapeDtypeStruct(lay.shapes[i], lay.dtypes[i], sharding=rep) for i in lay.shared
+    ],
+  }
+
+
+def abstract_state(prog: Any) -> Any:
+  """An abstract `TrainState` (parameters, optimizer state, step) with shardings."""
+  from jaxhybrid.program.hybrid import TrainState
+
+  params = abstract_params(prog)
+  opt = jax.eval_shape(prog.optimizer.init, params)
+  specs = prog._opt_specs(opt)  # noqa: SLF001 (the program's own sharding rule)
+  opt = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(prog.mesh, s)),
+    opt, specs, is_leaf=lambda x: isinstance(x, P),
+  )
+  step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(prog.mesh, P()))
+  return TrainState(params=params, opt_state=opt, step=step)
+
+
+def abstract_batch(prog: Any) -> list[jax.ShapeDtypeStruct]:
+  """The global batch leaves as `ShapeDtypeStruct`s sharded over 'data'."""
+  W, k = prog.mesh.shape[DATA], prog.microbatches
+  g = prog.graph
+  avals = [v.aval for v, (kind, _) in zip(g.jaxpr.invars, g.input_kinds) if kind == graph_lib.BATCH]
+  out = []
+  for a, pe in zip(avals, prog.per_example):
+    shape = ((a.shape[0] * W * k,) + tuple(a.shape[1:])) if pe else tuple(a.shape)
+    out.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(prog.mesh, P(DATA) if pe else P())))
+  return out
+
+
+def report(prog: Any, *, compile: bool = True) -> MemoryReport:
+  """Predicted (and, with `compile`, XLA-compiled) per-device memory of `prog`'s step."""
+  lay = prog.layout
+  ts = abstract_state(prog)
+  M = lay.devices
+  row_bytes = sum(n * np.dtype(dt).itemsize for dt, n in lay.sizes)
+  shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
+  params = row_bytes + shared
+  opt = _nbytes(ts.opt_state)
+  # Row-sharded optimizer leaves hold 1/M of their global bytes per device.
+  row_shapes = {(M, n) for _, n in lay.sizes}
+  opt_rows = sum(
+    _nbytes(x) for x in jax.tree.leaves(ts.opt_state) if tuple(x.shape) in row_shapes
+  )
+  opt_per_device = opt - opt_rows + opt_rows // M
+  batch = abstract_batch(prog)
+  W = prog.mesh.shape[DATA]
+  batch_bytes = sum(
+    _nbytes(x) // (W if pe else 1) for x, pe in zip(batch, prog.per_example)
+  )
+  owned = lay.bytes_per_device()
+  window = max(
+    (sum(n * np.dtype(dt).itemsize for dt, (n, _) in w.items())
+     for w in executor.gradient_windows(prog.structure, prog.graph, lay) if w),
+    default=0,
+  )
+  fields: dict[str, Any] = {}
+  if compile:
+    ma = prog.step_fn().lower(ts, batch).compile().memory_analysis()
+    fields = dict(
+      compiled_arguments=int(ma.argument_size_in_bytes), compiled_temp=int(ma.temp_size_in_bytes),
+      compiled_output=int(ma.output_size_in_bytes), compiled_alias=int(ma.alias_size_in_bytes),
+    )
+  return MemoryReport(
+    devices=M, params=params, optimizer=opt_per_device, gradients=params,
+    live_peak=max(tasks_lib.live_bytes(prog.structure), default=0), window=window, update=params,
+    batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
+    **fields,
+  )
+
+
+def baseline_bytes(
+  loss: Callable[[Any, Any, Any], jax.Array],
+  params: Any,
+  state: Any,
+  batch: Any,
+  optimizer: Any,
+  mesh: jax.sharding.Mesh,
+  mode: str,
+) -> dict[str, int]:
+  """Compiled per-device bytes of what a user would write instead, on the same devices.
+
+  'dp': plain `jax.jit` data parallelism (parameters and optimizer state replicated, the batch
+  sharded over every device). 'fsdp': parameters and optimizer state sharded over every device
+  (each leaf along its largest dimension divisible by the device count, `NamedSharding`), the
+  batch sharded likewise, plain `jax.jit` (XLA inserts the all-gathers and reduce-scatters).
+  Inputs are abstract (`ShapeDtypeStruct`s): nothing is allocated.
+
+  Returns:
+    {'arguments', 'temp', 'total'} bytes per device.
+  """
+  import optax
+
+  if mode not in ("dp", "fsdp"):
+    raise ValueError(f"mode={mode!r}: use 'dp' or 'fsdp'")
+  axes = tuple(mesh.axis_names)
+  n = mesh.size
+  rep = NamedSharding(mesh, P())
+
+  def param_sharding(x):
+    if mode == "dp":
+      return rep
+    dims = sorted(range(len(x.shape)), key=lambda i: -x.shape[i])
+    for i in dims:
+      if x.shape[i] % n == 0:
+        spec = [None] * len(x.shape)
+        spec[i] = axes
+        return NamedSharding(mesh, P(*spec))
+    return rep
+
+  def batch_sharding(x):
+    return NamedSharding(mesh, P(axes)) if x.shape and x.shape[0] % n == 0 else rep
+
+  shard = lambda f: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f(x))  # noqa: E731
+  p_abs = jax.tree.map(shard(param_sharding), params)
+  o_abs = jax.eval_shape(optimizer.init, p_abs)
+  p_shardings = jax.tree.map(param_sharding, params)
+  o_abs = optax.tree_map_params(
+    optimizer, lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), o_abs, p_shardings,
+    transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+  )
+  b_abs = jax.tree.map(shard(batch_sharding), batch)
+  s_abs = jax.tree.map(shard(lambda x: rep), state)
+
+  def step(p, o, s, b):
+    value, grads = jax.value_and_grad(loss)(p, s, b)
+    updates, o = optimizer.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, value
+
+  out_shardings = (
+    jax.tree.map(lambda x: x.sharding, p_abs), jax.tree.map(lambda x: x.sharding, o_abs), rep
+  )
+  compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings).lower(
+    p_abs, o_abs, s_abs, b_abs
+  ).compile()
+  ma = compiled.memory_analysis()
+  args, temp = int(ma.argument_size_in_bytes), int(ma.temp_size_in_bytes)
+  return {"arguments": args, "temp": temp, "total": args + temp}
+
+
+def fit_table(rows: Sequence[tuple[str, MemoryReport]]) -> str:
+  """One line per (name, report): predicted and compiled GiB and their error."""
+  out = [f"{'program':<28} {'predicted GiB':>14} {'compiled GiB':>13} {'error':>8}"]
+  for name, r in rows:
+    comp = f"{r.compiled / GiB:13.3f}" if r.compiled is not None else f"{'-':>13}"
+    err = f"{r.error:+8.1%}" if r.error is not None else f"{'-':>8}"
+    out.append(f"{name:<28} {r.predicted / GiB:14.3f} {comp} {err}")
+  return "\n".join(out)
