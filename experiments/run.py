@@ -27,6 +27,9 @@ _BATCH = flags.DEFINE_integer("batch", None, "Per-worker batch (default: the pap
 _MICRO = flags.DEFINE_integer("microbatches", 2, "Micro-batches per worker batch (pipelining).")
 _PLANNER = flags.DEFINE_string("planner", "milp", "milp | etf | dp | interleaved | single.")
 _TIME_LIMIT = flags.DEFINE_float("time_limit", 30.0, "Planner time limit, seconds.")
+_SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Task schedule: gpipe | 1f1b | zb.")
+_DRY_RUN = flags.DEFINE_boolean(
+  "dry_run", False, "Plan, compile from abstract inputs and print per-device memory; no training.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Cost-model hardware profile (default: detect).")
 _DATA = flags.DEFINE_string("data", "generated", "generated (learnable) | synthetic (random, timing) | a data folder.")
 _STEPS = flags.DEFINE_integer("steps", 30, "Training steps.")
@@ -57,6 +60,7 @@ def main(argv):
     config = runner.RunConfig(
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
+      schedule=_SCHEDULE.value, dry_run=_DRY_RUN.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
       plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,
@@ -68,7 +72,10 @@ def main(argv):
   except errors.UsageError as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(2)
-  print(run_report.format_report(results))
+  if "memory" in results and "metrics" not in results:
+    print(results["memory_table"])
+  else:
+    print(run_report.format_report(results))
 
 
 if __name__ == "__main__":

@@ -202,10 +202,21 @@ def parallelize(
     _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
     g = graph_lib.trace_function(pure, p, s, spec, depth=depth, max_nodes=max_nodes)
     _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
-    state_leaves = jax.tree.leaves(s)
+    # An abstract model (nnx.eval_shape) plans and compiles without allocating its parameters
+    # (e.g. `program.memory()` at paper size); its small read-only state is zeros.
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(p))
+    state_leaves = [
+      np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+      for x in jax.tree.leaves(s)
+    ]
 
     def init_leaves(seed: int) -> list[Any]:
       del seed  # the NNX model carries its own initial values
+      if abstract:
+        raise ValueError(
+          "the model is abstract (nnx.eval_shape): build it concretely to train, or use "
+          "hybrid.program.memory() to check the fit without parameters"
+        )
       return jax.tree.leaves(p)
 
     reference = pure_plain

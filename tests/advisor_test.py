@@ -66,10 +66,10 @@ def test_no_default_projection_reads_a_paper_result(name):
 
 
 def test_the_main_job_projects_with_a_planner_s_mp():
-  from jaxhybrid.train import runner
+  from jaxhybrid.train import predict, runner
 
   config = runner.RunConfig(model="biglstm", mesh="2x2", time_limit_s=1.0)
-  p, est = runner.project(config, None, 2)
+  p, est = predict.project(config, None, 2)
   assert est.source.startswith("planner: ") and p.s_mp_source == est.source
   assert p.s_mp == est.s_mp and est.microbatches in (1, 2, 4, 8) and est.m == 2
 

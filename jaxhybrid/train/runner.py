@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
+from jaxhybrid.train import predict
 from jaxhybrid.train.run_data import make_batch_fn
 from jaxhybrid.train.run_report import plot_loss
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 OPTIMIZERS = ("adam", "sgd", "adagrad")
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
-                     "optimizer", "learning_rate", "clip_norm")
+                     "optimizer", "learning_rate", "clip_norm", "schedule")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,10 @@ class RunConfig:
   planner: str = "milp"
   # Planner wall-clock budget, seconds.
   time_limit_s: float = 30.0
+  # Task schedule the program runs: gpipe | 1f1b | zb (planner.task_schedule).
+  schedule: str = "1f1b"
+  # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
+  dry_run: bool = False
   # Hardware profile of the analytic cost model (jaxhybrid.costs.hardware names); None = detect.
   hardware: str | None = None
   # Training data: 'generated' (a learnable task, the default so a short run shows learning),
@@ -212,6 +217,11 @@ def validate(config: RunConfig) -> None:
   if config.hardware is not None and config.hardware not in hardware.names():
     raise errors.UsageError(
       f"--hardware={config.hardware!r} is unknown: use one of {', '.join(hardware.names())}")
+  from jaxhybrid.planner import task_schedule
+
+  if config.schedule not in task_schedule.KINDS:
+    raise errors.UsageError(
+      f"--schedule={config.schedule!r} is unknown: use one of {', '.join(task_schedule.KINDS)}")
   if config.optimizer not in OPTIMIZERS:
     raise errors.UsageError(f"--optimizer={config.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
   if config.clip_norm < 0:
@@ -290,8 +300,9 @@ def _optimizer(config: RunConfig):
   return optax.chain(optim.clip_by_global_norm(config.clip_norm), opt) if config.clip_norm else opt
 
 
-def build(config: RunConfig):
-  """Model, data and the placed, compiled hybrid step for a resolved config.
+def build(config: RunConfig, *, abstract: bool = False):
+  """Model, data and the placed, compiled hybrid step for a resolved config (`abstract`: the
+  model from `nnx.eval_shape`, no parameter allocated, for `--dry_run`).
 
   Returns:
     (spec, hybrid, batch_fn).
@@ -328,66 +339,19 @@ def build(config: RunConfig):
     except (OSError, ValueError) as e:
       msg = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise errors.UsageError(f"--plan={plan_path!r} cannot be read ({msg}): pass a plan.json written by run.py or drop --plan to re-plan") from None
-  model = spec.make(nnx.Rngs(config.seed))
+  make = lambda: spec.make(nnx.Rngs(config.seed))  # noqa: E731
+  model = nnx.eval_shape(make) if abstract else make()
   try:
     hybrid = api.parallelize(
       model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
       microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
       planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed}, plan=plan,
+      program_options={"schedule": config.schedule},
     )
   except ValueError as e:
     raise errors.UsageError(f"{e}") from None
   # api.parallelize gives every process process 0's plan.
   return spec, hybrid, batch_fn
-
-
-def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
-  """The program's per-worker step plus the ring all-reduce of the largest per-device gradient
-  shard.
-
-  The per-worker step is the lock-step price of the plan as the program runs it
-  (`jaxhybrid.program.lockstep`: the program's task groups in lock step, transfers not
-  overlapping compute; the optimizer and buffer-fill passes are left out, they need timing on the
-  device); `plan_step_s` keeps the plan's own asynchronous schedule for comparison.
-  """
-  from jaxhybrid import api
-  from jaxhybrid.program import lockstep
-
-  costs = api.default_costs(hardware)
-  prog = hybrid.program
-  lock = lockstep.program_step_s(hybrid.graph, prog.structure, prog.assignment, costs).step_s
-  lay = hybrid.program.layout
-  shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
-  grad_bytes = max(lay.bytes_per_device()) + shared
-  workers = hybrid.mesh.shape[mesh_lib.DATA]
-  ar = costs.allreduce_time_s(grad_bytes, workers)
-  return {"plan_step_s": hybrid.plan.predicted_step_s, "lockstep_step_s": lock, "allreduce_s": ar,
-          "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes)}
-
-
-def project(config: RunConfig, plan: Any, model_axis: int) -> Any:
-  """The paper scenario's projection, S_MP from our planner: the model traced at paper size and
-  the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
-  if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
-  the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
-
-  Returns:
-    (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
-  """
-  del plan
-  from jaxhybrid import advisor, projection
-  from jaxhybrid.costs import hardware
-  from jaxhybrid.projection import paper_scenario
-
-  hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
-  hw = hardware.get(hw_name)
-  m = model_axis if model_axis >= 2 else 2
-  search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
-                                seed=config.seed)
-  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8]).s_mp[0]
-  w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
-  p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
-  return p, est
 
 
 def _replicate_step(state: Any, mesh: Any) -> Any:
@@ -426,6 +390,10 @@ def run(config: RunConfig) -> dict[str, Any]:
   from jaxhybrid.train import loop as train
 
   validate(config)
+  if config.dry_run:
+    from jaxhybrid.train import dry_run
+
+    return dry_run.run(config)
   config = _resolve(config)
   validate(config)
   primary = jax.process_index() == 0
@@ -459,7 +427,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     ckpt.close()
 
   rows = train.read_metrics(metrics_path) if primary else list(result.rows)
-  predicted = predicted_step_s(hybrid, config.hardware)
+  predicted = predict.predicted_step_s(hybrid, config.hardware)
   results: dict[str, Any] = {
     "config": _config_json(config),
     "devices": {"count": jax.device_count(), "platform": jax.default_backend(),
@@ -481,7 +449,7 @@ def run(config: RunConfig) -> dict[str, Any]:
   }
   if config.projection:
     try:
-      proj, est = project(config, hybrid.plan, hybrid.mesh.shape[mesh_lib.MODEL])
+      proj, est = predict.project(config, hybrid.plan, hybrid.mesh.shape[mesh_lib.MODEL])
       results["projection"] = {**proj.to_json(), "s_mp_plan": est.to_json()}
       results["projection_table"] = projection_lib.format_table(proj)
       if primary:

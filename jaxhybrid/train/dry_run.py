@@ -1,0 +1,77 @@
+"""`run.py --dry_run`: plan, compile from abstract inputs and report per-device memory.
+
+Nothing is allocated: the model comes from `nnx.eval_shape`, the program is lowered from
+`jax.ShapeDtypeStruct`s with shardings and XLA's compile-time memory analysis gives each
+device's argument and temporary bytes (`HybridProgram.memory`). So a paper-size model can be
+checked for fit on a CPU host before any accelerator time is spent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jaxhybrid import errors
+from jaxhybrid import mesh as mesh_lib
+
+
+def run(config: Any) -> dict[str, Any]:
+  """Plans and compiles `config`'s program without allocating it; writes results.json + plan.json.
+
+  Returns:
+    The content of results.json: config, plan, memory (per device, predicted and compiled),
+    memory_table (text), capacity and fits.
+
+  Raises:
+    UsageError: bad input (as `runner.build`).
+  """
+  import jax
+
+  from jaxhybrid.costs import hardware as hw_lib
+  from jaxhybrid.projection import paper_scenario
+  from jaxhybrid.train import runner
+
+  if config.batch is None and config.size == "paper":
+    paper = paper_scenario.PAPER_MODELS.get(config.model)
+    if paper is not None:  # the paper's per-GPU batch, whatever the host
+      config = dataclasses.replace(config, batch=paper.per_gpu_batch)
+  config = runner._resolve(config)  # noqa: SLF001 (the run's own defaults)
+  runner.validate(config)
+  os.makedirs(config.workdir, exist_ok=True)
+  _, hybrid, _ = runner.build(config, abstract=True)
+  report = hybrid.program.memory()
+  hw_name = config.hardware
+  if hw_name is None:
+    kind = jax.devices()[0].device_kind.lower()
+    hw_name = next((n for n, key in (("dgx-h200", "h200"), ("dgx-h100", "h100"),
+                                     ("dgx-a100", "a100"), ("dgx1-v100", "v100")) if key in kind),
+                   "dgx1-v100")
+  capacity = hw_lib.get(hw_name).memory_bytes
+  table = report.table(capacity)
+  results = {
+    "config": runner._config_json(config),  # noqa: SLF001
+    "dry_run": True,
+    "graph": {"nodes": len(hybrid.graph.nodes), "fingerprint": hybrid.graph.fingerprint()},
+    "plan": {"summary": hybrid.plan.summary(), "method": hybrid.plan.method,
+             "assignment": list(hybrid.plan.assignment),
+             "predicted_speedup": hybrid.plan.predicted_speedup},
+    "schedule": {"kind": hybrid.program.schedule.kind,
+                 "in_flight": hybrid.program.schedule.in_flight()},
+    "memory": report.to_dict(),
+    "memory_table": table,
+    "memory_hardware": hw_name,
+    "memory_capacity_bytes": capacity,
+    "fits": report.fits(capacity),
+    "mesh": {"data": hybrid.mesh.shape[mesh_lib.DATA], "model": hybrid.mesh.shape[mesh_lib.MODEL]},
+  }
+  try:
+    with open(os.path.join(config.workdir, "results.json"), "w") as f:
+      json.dump(results, f, indent=1)
+    hybrid.plan.save(os.path.join(config.workdir, "plan.json"))
+  except OSError as e:
+    raise errors.UsageError(
+      f"--workdir={config.workdir!r} is not writable ({e.strerror or e}): pass a folder you can "
+      "write to") from None
+  return results

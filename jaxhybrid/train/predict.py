@@ -1,0 +1,59 @@
+"""What a run predicts: the program's step time (lock step + all-reduce) and the projection."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxhybrid import mesh as mesh_lib
+
+
+def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
+  """The program's per-worker step plus the ring all-reduce of the largest per-device gradient
+  shard.
+
+  The per-worker step is the lock-step price of the plan as the program runs it
+  (`jaxhybrid.program.lockstep`: the program's task groups in lock step, transfers not
+  overlapping compute; the optimizer and buffer-fill passes are left out, they need timing on the
+  device); `plan_step_s` keeps the plan's own asynchronous schedule for comparison.
+  """
+  from jaxhybrid import api
+  from jaxhybrid.program import lockstep
+
+  costs = api.default_costs(hardware)
+  prog = hybrid.program
+  lock = lockstep.program_step_s(hybrid.graph, prog.structure, prog.assignment, costs).step_s
+  lay = hybrid.program.layout
+  shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
+  grad_bytes = max(lay.bytes_per_device()) + shared
+  workers = hybrid.mesh.shape[mesh_lib.DATA]
+  ar = costs.allreduce_time_s(grad_bytes, workers)
+  return {"plan_step_s": hybrid.plan.predicted_step_s, "lockstep_step_s": lock, "allreduce_s": ar,
+          "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes)}
+
+
+def project(config: Any, plan: Any, model_axis: int) -> Any:
+  """The paper scenario's projection, S_MP from our planner: the model traced at paper size and
+  the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
+  if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
+  the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
+
+  Returns:
+    (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
+  """
+  del plan
+  from jaxhybrid import advisor, projection
+  from jaxhybrid.costs import hardware
+  from jaxhybrid.projection import paper_scenario
+
+  hw_name = config.hardware if config.hardware and config.hardware.startswith("dgx") else "dgx1-v100"
+  hw = hardware.get(hw_name)
+  m = model_axis if model_axis >= 2 else 2
+  search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
+                                seed=config.seed)
+  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8]).s_mp[0]
+  w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
+  p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
+  return p, est
