@@ -252,8 +252,16 @@ def parallelize(
       f"{g.fingerprint()}: re-plan (or check model size, batch and micro-batches)"
     )
   order = structure.plan_order(plan.schedule)
-  prog = program_lib.HybridProgram.build(
-    g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
-    state=state_leaves, per_example=per_example, remat=remat, **(program_options or {}),
-  )
+  options = dict(program_options or {})
+  if plan.task_schedule and "schedule" not in options:
+    options["schedule"] = plan.task_schedule  # the schedule a saved plan was run with
+  try:
+    prog = program_lib.HybridProgram.build(
+      g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
+      state=state_leaves, per_example=per_example, remat=remat, **options,
+    )
+  except ValueError as e:
+    raise ValueError(f"{e}") from None
+  # The plan records the task schedule the program runs (plan.json carries it; schema 2).
+  plan = dataclasses.replace(plan, task_schedule=prog.schedule)
   return Hybrid(graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves, reference_loss=reference)

@@ -9,8 +9,12 @@ import types
 from typing import Any, Mapping
 
 from jaxhybrid.planner.schedule import Task, Transfer
+from jaxhybrid.planner.task_schedule import TaskSchedule
 
-SCHEMA_VERSION = 1
+# 2: adds `task_schedule` (the F/B/W tasks the program runs). Version-1 plans still load; their
+# program runs GPipe (all forwards, then all backwards), which is what version-1 programs ran.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +59,10 @@ class Plan:
   # `heuristics` of the schedule returned (e.g. 'cpsat' when the MILP could not beat it); '' in
   # plans written before this field existed.
   found_by: str = ""
+  # The task schedule the program runs: a TaskSchedule (per device its F/B/W tasks in order), or
+  # the name of a generator ('gpipe', '1f1b', 'zb') applied to this placement when the program
+  # is built; '' = the program's default.
+  task_schedule: TaskSchedule | str = ""
   # Provenance of the inputs.
   graph_fingerprint: str = ""
   cost_source: str = ""
@@ -83,6 +91,8 @@ class Plan:
     out["schedule"] = [dataclasses.asdict(t) for t in self.schedule]
     out["transfers"] = [dataclasses.asdict(t) for t in self.transfers]
     out["heuristics"] = dict(self.heuristics)
+    ts = self.task_schedule
+    out["task_schedule"] = ts.to_dict() if isinstance(ts, TaskSchedule) else ts
     for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
       out[key] = list(out[key])
     return out
@@ -99,9 +109,14 @@ class Plan:
       ValueError: unknown schema version or malformed fields.
     """
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-      raise ValueError(f"Plan schema_version {version!r}; this planner reads {SCHEMA_VERSION}.")
+    if version not in READABLE_VERSIONS:
+      raise ValueError(
+        f"Plan schema_version {version!r}; this planner reads {', '.join(map(str, READABLE_VERSIONS))}."
+      )
     kw = dict(data)
+    kw["schema_version"] = SCHEMA_VERSION
+    ts = data.get("task_schedule", "gpipe" if version == 1 else "")
+    kw["task_schedule"] = TaskSchedule.from_dict(ts) if isinstance(ts, dict) else str(ts)
     try:
       kw["schedule"] = tuple(Task(**t) for t in data["schedule"])
       kw["transfers"] = tuple(Transfer(**t) for t in data.get("transfers", ()))
@@ -135,13 +150,18 @@ class Plan:
     except (ValueError, AttributeError) as err:
       raise ValueError(f"{os.fspath(path)} is not a valid plan: {err}") from err
 
+  def _schedule_name(self) -> str:
+    ts = self.task_schedule
+    return ts.kind if isinstance(ts, TaskSchedule) else str(ts)
+
   def summary(self) -> str:
     """Node -> device table, per-device load and memory, and the solver's report."""
     lines = [
       f"Plan: {len(self.node_names)} nodes on {self.devices} devices, "
       f"{self.microbatches} micro-batch(es); method={self.method} solver={self.solver} "
       f"status={self.status} gap={self.gap:.2%} time={self.solve_time_s:.2f}s"
-      + (f" found_by={self.found_by}" if self.found_by else ""),
+      + (f" found_by={self.found_by}" if self.found_by else "")
+      + (f" schedule={self._schedule_name()}" if self.task_schedule else ""),
       f"  predicted step {self.predicted_step_s * 1e3:.3f} ms, one device "
       f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.predicted_speedup:.3f}x, "
       f"lower bound {self.lower_bound_s * 1e3:.3f} ms",

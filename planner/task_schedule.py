@@ -361,3 +361,51 @@ def validate(
       f"the schedule cannot run: device orders wait on each other (e.g. {tuple(stuck[0])} "
       f"at position {pos[stuck[0]]} of device {assignment[stuck[0].node]})"
     )
+
+
+def timeline(
+  schedule: TaskSchedule,
+  edges: Sequence[tuple[int, int]],
+  node_s: Sequence[float],
+  forward_share: float = 1.0 / 3.0,
+) -> dict[Op, tuple[float, float]]:
+  """(start, end) of every task when each device runs its tasks in order, as soon as the tasks
+  it depends on (over `edges`; same-device ones are implied by the order) have ended.
+
+  A task of node n takes `forward_share * node_s[n]` (F), the rest (B), or half the rest (B and
+  W of split schedules). No transfer delays: a sketch of the order, for charts.
+  """
+  n = len(node_s)
+  preds: list[list[int]] = [[] for _ in range(n)]
+  succs: list[list[int]] = [[] for _ in range(n)]
+  for s, t in edges:
+    preds[t].append(s)
+    succs[s].append(t)
+
+  def dur(op: Op) -> float:
+    f = forward_share * node_s[op.node]
+    if op.kind == "F":
+      return f
+    rest = node_s[op.node] - f
+    return rest / 2 if schedule.split else rest
+
+  dev_of = {op: d for d, ops in enumerate(schedule.devices) for op in ops}
+  out: dict[Op, tuple[float, float]] = {}
+  pos = [0] * len(schedule.devices)
+  free = [0.0] * len(schedule.devices)
+  progress = True
+  while progress:
+    progress = False
+    for d, ops in enumerate(schedule.devices):
+      while pos[d] < len(ops):
+        op = ops[pos[d]]
+        deps = dependencies(op, preds, succs, schedule.split)
+        if any(x not in out and dev_of.get(x) != d for x in deps):
+          break
+        start = max([free[d]] + [out[x][1] for x in deps if x in out])
+        out[op] = (start, start + dur(op))
+        free[d] = start + dur(op)
+        pos[d] += 1
+        progress = True
+  return out
+

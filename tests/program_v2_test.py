@@ -161,3 +161,68 @@ def test_1f1b_temp_memory_falls_as_microbatches_grow():
   t4, t16 = _temp_bytes("1f1b", 4), _temp_bytes("1f1b", 16)
   assert t16 < t4, (t4, t16)
   assert _temp_bytes("gpipe", 16) > t16
+
+
+def _tower_hybrid(schedule="1f1b", plan=None):
+  from jaxhybrid import api
+
+  model = toy.Towers(rngs=nnx.Rngs(2))
+  batch = toy.regression_batch(8)
+  return api.parallelize(
+    model, toy.mse_nnx, optax.sgd(0.1), batch, mesh="1x2", microbatches=2, planner="etf",
+    plan=plan, program_options={"schedule": schedule} if plan is None else None,
+  )
+
+
+def test_plan_json_carries_the_task_schedule_and_v1_plans_load_as_gpipe(tmp_path):
+  from jaxhybrid import planner
+
+  hy = _tower_hybrid("zb")
+  plan = hy.plan
+  assert isinstance(plan.task_schedule, task_schedule.TaskSchedule)
+  assert plan.task_schedule == hy.program.schedule and plan.task_schedule.kind == "zb"
+  again = planner.Plan.from_json(plan.to_json())
+  assert again == plan and again.schema_version == 2
+  # Reapplying the saved plan runs the same schedule.
+  assert _tower_hybrid(plan=again).program.schedule == plan.task_schedule
+  # A version-1 plan (no task schedule) loads and its program runs GPipe.
+  old = plan.to_dict()
+  old["schema_version"] = 1
+  del old["task_schedule"]
+  v1 = planner.Plan.from_dict(old)
+  assert v1.task_schedule == "gpipe"
+  assert _tower_hybrid(plan=v1).program.schedule.kind == "gpipe"
+  planner.gantt(plan, tmp_path / "gantt.png")
+  assert (tmp_path / "gantt.png").stat().st_size > 1000
+
+
+def test_bad_schedules_are_one_line_errors():
+  hy = _tower_hybrid()
+  g, assign = hy.graph, hy.plan.assignment
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid import program as program_lib
+
+  m = mesh_lib.make("1x2")
+  with pytest.raises(ValueError, match="schedule='fast' is unknown") as e:
+    program_lib.HybridProgram.build(g, m, optax.sgd(0.1), assign, microbatches=2, schedule="fast")
+  assert "\n" not in str(e.value)
+  other = [1 - a for a in assign]  # the same tasks on the other devices: another plan's schedule
+  with pytest.raises(ValueError, match="schedule for another plan") as e:
+    program_lib.HybridProgram.build(
+      g, m, optax.sgd(0.1), other, microbatches=2, schedule=hy.program.schedule
+    )
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="micro-batches"):
+    program_lib.HybridProgram.build(
+      g, m, optax.sgd(0.1), assign, microbatches=4, schedule=hy.program.schedule
+    )
+
+
+def test_timeline_orders_tasks_by_their_dependencies():
+  edges = [(0, 1)]
+  s = task_schedule.generate("1f1b", 2, edges, [0, 1], 2, 2)
+  t = task_schedule.timeline(s, edges, [3.0, 3.0])
+  for c in range(2):
+    assert t[("F", 0, c)][1] <= t[("F", 1, c)][0]
+    assert t[("B", 1, c)][1] <= t[("B", 0, c)][0]
+  assert max(end for _, end in t.values()) < 2 * 2 * 3.0  # the pipeline overlaps the devices

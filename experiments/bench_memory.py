@@ -1,0 +1,246 @@
+"""Per-device memory of the hybrid program vs what a user would run instead, compiled, no allocation.
+
+  python experiments/bench_memory.py --out=experiments/results/bench_memory.json   # ~10-20 min
+  python experiments/bench_memory.py --models=chain --out=/tmp/m.json              # ~2 min
+
+For each model, mesh 1xM and task schedule: XLA's compile-time memory analysis of the jitted
+step lowered from abstract inputs (arguments + temporaries per device), our predicted bytes
+(`HybridProgram.memory`) and their error; beside them, on the same M devices, plain data
+parallelism (`jax.jit`, parameters replicated) and FSDP (parameters and optimizer state sharded
+over all devices with `NamedSharding`). Nothing is allocated, so paper sizes run on a CPU host.
+Results are written after every row. Targets (issue "Program v2"): the uniform 8-layer chain at
+1x8 <= 0.25x and at 1x2 <= 0.6x its 1x1 bytes; 1F1B temp at k=16 <= 0.75x temp at k=4 (1x4,
+global batch 2048); predicted within 15 % of compiled; paper BigLSTM with AdaGrad fits a 16 GiB
+V100 at 1x2 and not at 1x1; hybrid within 1.3x of FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+_MODELS = flags.DEFINE_list(
+  "models", ["chain", "chain_big_batch", "biglstm:small", "gnmt:small", "inception_v3:small",
+             "biglstm:paper"], "chain, chain_big_batch, or <registry name>:<size>.")
+_MESHES = flags.DEFINE_list("model_axis", ["1", "2", "4", "8"], "M values (mesh 1xM).")
+_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb"], "Task schedules.")
+_OUT = flags.DEFINE_string("out", "experiments/results/bench_memory.json", "Results JSON.")
+_BASELINES = flags.DEFINE_boolean("baselines", True, "Also compile plain-jit DP and FSDP.")
+
+GiB = 2**30
+
+
+def _chain_setup(width: int, layers: int, batch: int):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  class Chain(nnx.Module):
+    """input -> `layers` x (Linear width x width, tanh) -> head."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+      self.inp = nnx.Linear(16, width, rngs=rngs)
+      self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+      self.head = nnx.Linear(width, 16, rngs=rngs)
+
+    def __call__(self, x):
+      h = self.inp(x)
+      for layer in self.layers:
+        h = jnp.tanh(layer(h))
+      return self.head(h)
+
+  def loss(m, b):
+    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+  model = nnx.eval_shape(lambda: Chain(rngs=nnx.Rngs(0)))
+  spec = {"x": jax.ShapeDtypeStruct((batch, 16), jnp.float32),
+          "y": jax.ShapeDtypeStruct((batch, 16), jnp.float32)}
+
+  def assign(node, m):
+    parts = node.name.split("/")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+      return int(parts[1]) * m // layers
+    return 0 if parts[0] == "inp" else m - 1
+
+  return model, loss, spec, optax.adam(1e-3), assign
+
+
+def _registry_setup(name: str, size: str):
+  import jax
+  import optax
+  from flax import nnx
+
+  from jaxhybrid import models
+
+  spec = models.get(name, size)
+  model = nnx.eval_shape(lambda: spec.make(nnx.Rngs(0)))
+  from jaxhybrid.projection import paper_scenario
+
+  per = paper_scenario.PAPER_MODELS[name].per_gpu_batch if size == "paper" else 8
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), spec.synthetic_batch(0, per))
+  # The paper trains BigLSTM with AdaGrad (PAPER.md); Adam elsewhere.
+  opt = optax.adagrad(0.2) if name == "biglstm" else optax.adam(1e-3)
+  return model, spec.loss_fn, batch, opt, None
+
+
+def _hybrid(model, loss, batch, opt, assign, m, k, schedule):
+  """The program: the chain placed evenly by `assign`; registry models by the 'dp' planner."""
+  import types
+
+  import jax
+
+  from jaxhybrid import api
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid import program as program_lib
+
+  mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
+  if assign is None:
+    return api.parallelize(
+      model, loss, opt, batch, mesh=mesh, microbatches=k, planner="dp", hardware="dgx1-v100",
+      program_options={"schedule": schedule},
+    )
+  b = jax.tree.leaves(batch)[0].shape[0]
+  spec, per_example = api.microbatch_spec(batch, b, b // k)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, loss)
+  g = graph_lib.trace_function(pure, p, s, spec)
+  prog = program_lib.HybridProgram.build(
+    g, mesh, opt, [assign(n, m) for n in g.nodes], microbatches=k, per_example=per_example,
+    schedule=schedule,
+  )
+  return types.SimpleNamespace(graph=g, program=prog)
+
+
+def _baselines(model, loss, batch, opt, m):
+  import jax
+
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid.program import memory
+
+  mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, loss, scopes=False)
+  return {mode: memory.baseline_bytes(pure, p, s, batch, opt, mesh, mode) for mode in ("dp", "fsdp")}
+
+
+def _cases(name: str):
+  """(M, k, schedule) per model: a few k per M."""
+  ms = [int(x) for x in _MESHES.value]
+  if name == "chain_big_batch":
+    return [(4, k, s) for k in (4, 16) for s in _SCHEDULES.value]
+  out = []
+  for m in ms:
+    for s in (_SCHEDULES.value if m > 1 else ["1f1b"]):
+      for k in sorted({1 if m == 1 else m, 2 * m if m > 1 else 1}):
+        out.append((m, k, s))
+  return out
+
+
+def main(argv):
+  del argv
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from jaxhybrid import mesh as mesh_lib
+
+  mesh_lib.simulate_cpu_devices(8)
+  import jax
+
+  rows = []
+  out_path = _OUT.value
+  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+  skipped = []
+  for entry in _MODELS.value:
+    if entry == "chain":
+      setup = _chain_setup(2048, 8, 64)
+    elif entry == "chain_big_batch":
+      setup = _chain_setup(2048, 8, 2048)
+    else:
+      name, size = entry.split(":")
+      setup = _registry_setup(name, size)
+    model, loss, batch, opt, assign = setup
+    base_done = set()
+    for m, k, sched in _cases(entry):
+      if m > len(jax.devices()):
+        skipped.append(f"{entry} M={m}: only {len(jax.devices())} devices")
+        continue
+      per_ex = jax.tree.leaves(batch)[0].shape[0]
+      if per_ex % k:
+        skipped.append(f"{entry} M={m} k={k}: batch {per_ex} not divisible")
+        continue
+      t0 = time.perf_counter()
+      try:
+        hy = _hybrid(model, loss, batch, opt, assign, m, k, sched)
+        r = hy.program.memory()
+      except Exception as e:  # noqa: BLE001 - a case that does not build is reported, not fatal
+        skipped.append(f"{entry} M={m} k={k} {sched}: {type(e).__name__}: {str(e)[:200]}")
+        print("SKIPPED", skipped[-1], flush=True)
+        continue
+      row = {"model": entry, "M": m, "k": k, "schedule": sched, "nodes": len(hy.graph.nodes),
+             "in_flight": hy.program.schedule.in_flight(), **r.to_dict(),
+             "seconds": time.perf_counter() - t0}
+      if _BASELINES.value and m not in base_done:
+        base_done.add(m)
+        try:
+          row["baselines"] = _baselines(model, loss, batch, opt, m)
+        except Exception as e:  # noqa: BLE001
+          row["baselines_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      rows.append(row)
+      base = next((b for b in rows if b["model"] == entry and "baselines" in b and b["M"] == m), None)
+      fsdp = base["baselines"]["fsdp"]["total"] / GiB if base else float("nan")
+      dp = base["baselines"]["dp"]["total"] / GiB if base else float("nan")
+      print(f"{entry:<18} 1x{m} k={k:<3} {sched:<5} compiled {r.compiled / GiB:8.3f} GiB "
+            f"(args {r.compiled_arguments / GiB:.3f}, temp {r.compiled_temp / GiB:.3f}) "
+            f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%} | DP {dp:8.3f} FSDP "
+            f"{fsdp:8.3f}", flush=True)
+      with open(out_path, "w") as f:
+        json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows)}, f, indent=1)
+  summary = _summary(rows)
+  print(json.dumps(summary, indent=1))
+  with open(out_path, "w") as f:
+    json.dump({"rows": rows, "skipped": skipped, "summary": summary}, f, indent=1)
+
+
+def _summary(rows):
+  """The targets' ratios, from the rows."""
+  out = {}
+
+  def best(model, m, sched=None, k=None):
+    c = [r["compiled"] for r in rows if r["model"] == model and r["M"] == m
+         and (sched is None or r["schedule"] == sched) and (k is None or r["k"] == k)]
+    return min(c) if c else None
+
+  one = best("chain", 1)
+  for m in (2, 4, 8):
+    b = best("chain", m, "1f1b")
+    if one and b:
+      out[f"chain_1x{m}_over_1x1"] = b / one
+  t = {r["k"]: r["compiled_temp"] for r in rows
+       if r["model"] == "chain_big_batch" and r["schedule"] == "1f1b"}
+  if 4 in t and 16 in t:
+    out["chain_1x4_temp_k16_over_k4"] = t[16] / t[4]
+  errs = [abs(r["error"]) for r in rows if r["error"] is not None]
+  if errs:
+    out["prediction_error_max"] = max(errs)
+    out["prediction_error_mean"] = sum(errs) / len(errs)
+  for model in {r["model"] for r in rows}:
+    for m in {r["M"] for r in rows if r["model"] == model}:
+      b = best(model, m)
+      base = next((r for r in rows if r["model"] == model and r["M"] == m and "baselines" in r),
+                  None)
+      if b and base:
+        out[f"{model}_1x{m}_over_fsdp"] = b / base["baselines"]["fsdp"]["total"]
+        out[f"{model}_1x{m}_over_dp"] = b / base["baselines"]["dp"]["total"]
+  for m in (1, 2):
+    b = best("biglstm:paper", m)
+    if b:
+      out[f"biglstm_paper_1x{m}_gib"] = b / GiB
+      out[f"biglstm_paper_1x{m}_fits_16gib"] = b <= 16 * GiB
+  return out
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))
