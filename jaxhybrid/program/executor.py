@@ -256,7 +256,8 @@ def run_groups(
     def branch(carry):
       sh_g = carry
       # This group's parameter gradients, in a window of this device's gradient row.
-      rows_g = {dt: jnp.zeros((n,), dt) for dt, (n, _) in (windows or {}).items()}
+      # leaf -> its gradient from this device's gradient task (summed over repeated arguments)
+      leaf_grads: dict[int, jax.Array] = {}
       local: dict[Any, jax.Array] = {}
       pullbacks: dict[tuple[int, int], Any] = {}
 
@@ -358,12 +359,8 @@ def run_groups(
               j = shared_pos[idx]
               sh_g = sh_g[:j] + [sh_g[j] + gv] + sh_g[j + 1 :]
             else:
-              dt = layout.dtypes[idx]
-              off = layout.offset[idx] - windows[dt][1][d]
-              n = math.prod(layout.shapes[idx])
-              row = rows_g[dt]
-              cur = lax.slice(row, (off,), (off + n,))
-              rows_g = {**rows_g, dt: lax.dynamic_update_slice(row, cur + gv.reshape(-1), (off,))}
+              gv = gv.reshape(-1)
+              leaf_grads[idx] = leaf_grads[idx] + gv if idx in leaf_grads else gv
       outs = []
       for dt in sorted(lay.sizes):
         parts, pos = [], 0
@@ -379,7 +376,22 @@ def run_groups(
         outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
       if windows is None:
         return outs, None
-      return outs, ([rows_g[dt] for dt in sorted(windows)], sh_g)
+      wins = []
+      for dt in sorted(windows):
+        # The window by concatenation in offset order (zeros between and around): a window that
+        # is one leaf's gradient is that array itself, with no second buffer.
+        length, starts = windows[dt]
+        parts, pos = [], starts[d]
+        for idx in sorted((i for i in leaf_grads if layout.dtypes[i] == dt),
+                          key=lambda i: layout.offset[i]):
+          if layout.offset[idx] > pos:
+            parts.append(jnp.zeros((layout.offset[idx] - pos,), dt))
+          parts.append(leaf_grads[idx].astype(dt))
+          pos = layout.offset[idx] + leaf_grads[idx].shape[0]
+        if starts[d] + length > pos:
+          parts.append(jnp.zeros((starts[d] + length - pos,), dt))
+        wins.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+      return outs, (wins, sh_g)
 
     return branch
 

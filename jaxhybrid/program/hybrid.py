@@ -294,8 +294,9 @@ class HybridProgram:
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
       sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
-      g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
-      g_shared = [lax.pmean(x, DATA) for x in g_shared]
+      if W > 1:  # (on one worker the all-reduce would only copy the gradient rows)
+        g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
+        g_shared = [lax.pmean(x, DATA) for x in g_shared]
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       grads = {"owned": jax.tree.map(lambda x: x[None], g_owned), "shared": g_shared}
