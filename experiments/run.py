@@ -18,7 +18,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from jaxhybrid import errors
-from jaxhybrid.train import run_report, runner
+from jaxhybrid.train import dry_run, run_report, runner
 
 _MODEL = flags.DEFINE_string("model", "biglstm", "biglstm | gnmt | inception_v3.")
 _SIZE = flags.DEFINE_string("size", None, "tiny | small | paper (default: paper on GPU, tiny on CPU).")
@@ -68,7 +68,7 @@ def main(argv):
       coordinator_address=_COORD.value, num_processes=_NPROC.value, process_id=_PID.value,
     )
     runner.setup_devices(config)  # before anything starts JAX
-    results = runner.run(config)
+    results = (dry_run.run if config.dry_run else runner.run)(config)
   except errors.UsageError as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(2)

@@ -122,9 +122,9 @@ def test_advisor_never_recommends_what_does_not_fit(tmp_path):
 
 def test_advise_a_users_module():
   import jax
-  import jaxhybrid
   from flax import nnx
 
+  import jaxhybrid
   from tests import toy
 
   model = nnx.eval_shape(lambda: toy.Towers(64, rngs=nnx.Rngs(0)))

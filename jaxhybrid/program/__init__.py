@@ -10,7 +10,7 @@ May import: `jaxhybrid.graph`, `jaxhybrid.costs`, `jaxhybrid.mesh`, `jaxhybrid.n
 Knows nothing of the planner's search (it reads a plan's assignment and schedule) or training.
 """
 
-from jaxhybrid.program.hybrid import CHECK_VMA, HybridProgram, TrainState
-from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES
+from jaxhybrid.program.hybrid import CHECK_VMA, HybridProgram
+from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES, TrainState
 
 __all__ = ["CHECK_VMA", "DEFAULT_PACK_MAX_BYTES", "HybridProgram", "TrainState"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,12 @@ from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.program import executor, param_rows
 from jaxhybrid.program import tasks as tasks_lib
-from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES, ParamLayout, param_layout
+from jaxhybrid.program.structure import (
+  DEFAULT_PACK_MAX_BYTES,
+  ParamLayout,
+  TrainState,
+  param_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +84,6 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 # ---- the program ------------------------------------------------------------------------------
-
-class TrainState(NamedTuple):
-  """Parameters and optimizer state of the hybrid program (owned rows + shared leaves)."""
-
-  params: dict[str, Any]  # {'owned': {dtype: [model, size]}, 'shared': [leaves]}
-  opt_state: Any
-  step: jax.Array
-
 
 @dataclasses.dataclass
 class HybridProgram:

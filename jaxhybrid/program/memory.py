@@ -33,6 +33,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.program import executor
 from jaxhybrid.program import tasks as tasks_lib
+from jaxhybrid.program.structure import TrainState
 
 GiB = 2**30
 
@@ -133,8 +134,6 @@ def abstract_params(prog: Any) -> dict[str, Any]:
 
 def abstract_state(prog: Any) -> Any:
   """An abstract `TrainState` (parameters, optimizer state, step) with shardings."""
-  from jaxhybrid.program.hybrid import TrainState
-
   params = abstract_params(prog)
   opt = jax.eval_shape(prog.optimizer.init, params)
   specs = prog._opt_specs(opt)  # noqa: SLF001 (the program's own sharding rule)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
@@ -85,3 +86,11 @@ def plan_order(schedule: Sequence[Any]) -> list[tuple[int, int]]:
 # Kept for the build option's default (v1 programs sent transfers above this size on their own;
 # v2 programs pack every transfer of a group into one message per (shift, dtype)).
 DEFAULT_PACK_MAX_BYTES = 1 << 20
+
+
+class TrainState(NamedTuple):
+  """Parameters and optimizer state of the hybrid program (owned rows + shared leaves)."""
+
+  params: dict[str, Any]  # {'owned': {dtype: [model, size]}, 'shared': [leaves]}
+  opt_state: Any
+  step: jax.Array

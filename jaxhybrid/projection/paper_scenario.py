@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from jaxhybrid.costs import hardware as hw_lib
 from jaxhybrid.projection import stat_eff
-from jaxhybrid.projection.s_mp import SMPEstimate, user_s_mp
 from jaxhybrid.projection.framework import FlopStepTime, MeasuredStepTime, StepTime, Workload
+from jaxhybrid.projection.s_mp import SMPEstimate, user_s_mp
 
 # --- The paper's scenario: BigLSTM, GNMT, Inception-V3 on DGX-1 V100 ---------------------------
 

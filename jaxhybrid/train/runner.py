@@ -391,9 +391,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
   validate(config)
   if config.dry_run:
-    from jaxhybrid.train import dry_run
-
-    return dry_run.run(config)
+    raise errors.UsageError("a dry run is jaxhybrid.train.dry_run.run(config), not runner.run")
   config = _resolve(config)
   validate(config)
   primary = jax.process_index() == 0
