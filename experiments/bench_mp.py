@@ -15,6 +15,14 @@ jax.distributed with gloo collectives; the 1-device baseline is one such process
    data-parallel step and the hybrid program are timed on mesh 2x1; a GSPMD tensor-parallel
    `jax.jit` step (each weight sharded over 'model' on its largest divisible dimension) is timed
    on mesh 1x2.
+Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 1024,
+batch 512, k=8: a uniform pipeline). The program runs --schedule (default 1F1B). Per model the
+prediction error of EVERY timed candidate is summarised (prediction_error_program_mean / _max),
+and the lock-step model's first pick is reported beside the autotuned one (first_pick_*).
+Data-parallel baselines on 2x1: plain `jax.jit` (XLA all-reduces each leaf: step_s_jit_dp) and
+the DP a user would write over slow links, every gradient in ONE flat all-reduce
+(step_s_dp_bucketed; ratio_vs_dp_bucketed = step_s_dp_bucketed / step_s_hybrid_2x1). Results are
+written after each model; models left when --budget_s is spent are listed as skipped.
 Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan,
 predicted_speedup = predicted_1dev_s / the plan's predicted step, both from profiled costs
 (predicted_1dev_s: the graph traced at the full per-worker batch, its node times summed; the
@@ -64,13 +72,15 @@ flags.DEFINE_integer("autotune", 3, "Time this many of the candidate plans (best
                      "model's choice untimed against the others.")
 flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size share one "
                      "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
-flags.DEFINE_boolean("compare_unpacked", True, "Also time the plan with every transfer its own "
-                     "ppermute (step_s_plan_unpacked), in the same run.")
-# 'dots' by default here: timing the same plan both ways in one run on these one-core devices,
-# it was 4 % faster for Inception-V3 and 1-5 % for GNMT (less zero-filling of the other
-# device's residuals), 0-6 % slower for BigLSTM. The program's own default stays 'none'.
-flags.DEFINE_enum("branch_remat", "dots", ["none", "dots", "full"], "What each group's "
-                  "conditional saves for the backward (HybridProgram.build's branch_remat).")
+flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_max_bytes=0 "
+                     "(step_s_plan_unpacked; v2 programs pack every group's messages alike).")
+flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb"], "Task schedule the program runs.")
+flags.DEFINE_float("budget_s", 1500.0, "Skip the models left once this much wall time has "
+                   "passed (each model's results are written as soon as they exist).")
+# 'dots' paid off for the v1 program (every device zero-filled the others' residuals); the v2
+# program keeps residuals on their own device, so the default is the program's: 'none'.
+flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each forward task "
+                  "saves for its backward (HybridProgram.build's branch_remat).")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
@@ -84,7 +94,9 @@ flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 # Batch 64 makes a one-core step about a second on the small presets (Inception-V3 ~0.7 s, GNMT
 # ~0.8 s, BigLSTM ~0.6 s); at batch 16 four micro-batches of 4 cost GNMT 44 % over one batch
 # of 16 on one core (small LSTM matmuls), at 64 it is 9 %.
-BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4)}
+# chain: 8 equal tanh layers of 1024 (a uniform pipeline); batch 512 makes a one-core step
+# about half a second; at M=2, k=8 1F1B's bound is 2 * 8 / 9 = 1.78x.
+BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4), "chain": (512, 8)}
 
 
 # Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
@@ -132,12 +144,52 @@ def _timeit(fn, state, batch, steps, warmup):
   return float(np.median(times)), state
 
 
+class _ChainSpec:
+  """A uniform 8-layer chain with the registry spec's interface (make, loss_fn, synthetic_batch)."""
+
+  width, layers = 1024, 8
+
+  def make(self, rngs):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    width, layers = self.width, self.layers
+
+    class Chain(nnx.Module):
+      def __init__(self, *, rngs):
+        self.inp = nnx.Linear(64, width, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+        self.head = nnx.Linear(width, 64, rngs=rngs)
+
+      def __call__(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+          h = jnp.tanh(layer(h))
+        return self.head(h)
+
+    return Chain(rngs=rngs)
+
+  @staticmethod
+  def loss_fn(m, b):
+    import jax.numpy as jnp
+
+    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+  @staticmethod
+  def synthetic_batch(seed, n):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, 64)).astype(np.float32),
+            "y": rng.normal(size=(n, 64)).astype(np.float32)}
+
+
 def _model(name):
   from flax import nnx
 
   from jaxhybrid import models
 
-  spec = models.get(name, FLAGS.size, **_overrides())
+  spec = _ChainSpec() if name == "chain" else models.get(name, FLAGS.size, **_overrides())
   return spec, spec.make(nnx.Rngs(0))
 
 
@@ -152,6 +204,29 @@ def _plain_step(pure, opt):
     return (optax.apply_updates(params, u), opt_state, state), loss
 
   return step
+
+
+def _bucketed_dp_step(pure, opt, mesh, carry, batch):
+  """Data parallelism over 'data' with every gradient in one flat buffer and one pmean."""
+  import jax
+  import optax
+  from jax.flatten_util import ravel_pytree
+  from jax.sharding import PartitionSpec as P
+
+  carry_spec = jax.tree.map(lambda _: P(), carry)
+  batch_spec = jax.tree.map(lambda x: x.sharding.spec, batch)
+
+  def body(c, b):
+    params, opt_state, state = c
+    loss, g = jax.value_and_grad(pure)(params, state, b)
+    flat, unravel = ravel_pytree(g)
+    g = unravel(jax.lax.pmean(flat, "data"))
+    u, opt_state = opt.update(g, opt_state, params)
+    return (optax.apply_updates(params, u), opt_state, state), jax.lax.pmean(loss, "data")
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(carry_spec, batch_spec),
+                    out_specs=(carry_spec, P()), check_vma=False)
+  return jax.jit(f, donate_argnums=0)
 
 
 # ---- worker roles -----------------------------------------------------------------------------
@@ -209,7 +284,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
     methods += list(LOCKSTEP_CANDIDATES)
   priced = [
     lockstep.plan_step_s(
-      g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc, branch_remat=FLAGS.branch_remat
+      g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc, branch_remat=FLAGS.branch_remat,
+      schedule=FLAGS.schedule,
     )
     for c in cands
   ]
@@ -226,7 +302,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     cands[i].save(work / f"plan_{name}_{len(tuned)}.json")
     t = priced[i]
     tuned.append({
-      "plan_method": methods[i], "predicted_step_s": cands[i].predicted_step_s,
+      "plan_method": methods[i], "lockstep_rank": len(tuned), "predicted_step_s": cands[i].predicted_step_s,
       "plan_predicted_speedup": cands[i].predicted_speedup,
       "plan_single_device_s": cands[i].single_device_s,
       "predicted_program_step_s": t.step_s, "predicted_program_transfer_s": t.transfer_s,
@@ -277,7 +353,8 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   def time_plan(plan, pack):
     hy = api.parallelize(
       model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
-      program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat},
+      program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat,
+                       "schedule": FLAGS.schedule},
     )
     fn = lambda st, bt: hy.program.step_fn()(st, bt)  # noqa: E731
     return _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)[0]
@@ -305,6 +382,11 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   bt = jax.tree.map(lambda x: put(x, data_sh(x)), batch2)
   step = jax.jit(_plain_step(pure, opt), donate_argnums=0)
   out["step_s_jit_dp"], _ = _timeit(step, carry, bt, FLAGS.steps, FLAGS.warmup)
+  # The DP a user would write for slow links: the gradients flattened into ONE all-reduce.
+  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  out["step_s_dp_bucketed"], _ = _timeit(
+    _bucketed_dp_step(pure, opt, m21, carry, bt), carry, bt, FLAGS.steps, FLAGS.warmup
+  )
   # 3) GSPMD tensor parallel on 1x2: each weight sharded on its largest dimension divisible by 2
   m12 = mesh_lib.make("1x2")
 
@@ -334,6 +416,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
+    f"--schedule={FLAGS.schedule}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]
@@ -348,7 +431,13 @@ def driver() -> list[dict]:
   logging.info("calibrating the link between two one-core processes")
   localcluster.launch(_worker_argv("calibrate"), 2)
   cases = []
+  t_start = time.perf_counter()
   for name in FLAGS.models:
+    if time.perf_counter() - t_start > FLAGS.budget_s:
+      logging.warning("%s skipped: the %.0f s budget is spent", name, FLAGS.budget_s)
+      cases.append({"model": name, "skipped": f"budget of {FLAGS.budget_s:.0f} s spent"})
+      _write(cases)
+      continue
     logging.info("%s: profile, plan, time 1 device", name)
     localcluster.launch(_worker_argv("single", name), 1)
     logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
@@ -371,9 +460,27 @@ def driver() -> list[dict]:
       "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
       "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
     })
+    errs = [c["prediction_error_program"] for c in single["candidates"]]
+    first = next(c for c in single["candidates"] if c["lockstep_rank"] == 0)
+    cases[-1].update(
+      prediction_error_program_mean=sum(errs) / len(errs),
+      prediction_error_program_max=max(errs),
+      first_pick_method=first["plan_method"],
+      first_pick_measured_speedup=single["step_s_1dev"] / first["step_s_plan"],
+      first_pick_prediction_error=first["prediction_error_program"],
+      ratio_vs_dp_bucketed=multi["step_s_dp_bucketed"] / multi["step_s_hybrid_2x1"],
+      schedule=FLAGS.schedule,
+    )
     if "step_s_plan_unpacked" in multi:
       cases[-1]["packing_speedup"] = multi["step_s_plan_unpacked"] / multi["step_s_plan"]
+    _write(cases)
   return cases
+
+
+def _write(cases: list[dict]) -> None:
+  """Writes the results so far (a model's row as soon as it exists)."""
+  if FLAGS.out:
+    pathlib.Path(FLAGS.out).write_text(json.dumps(cases, indent=1))
 
 
 def main(argv):
@@ -386,12 +493,16 @@ def main(argv):
   if FLAGS.role == "multi":
     return role_multi(work, FLAGS.model)
   cases = driver()
-  cols = ["model", "step_s_1dev", "step_s_plan", "measured_speedup", "predicted_speedup",
-          "prediction_error", "predicted_program_speedup", "prediction_error_program",
-          "overhead_ratio_vs_jit_dp", "ratio_vs_gspmd_tp"]
-  print(" ".join(f"{c:>24}" for c in cols))
+  cols = ["model", "step_s_1dev", "step_s_plan", "measured_speedup",
+          "predicted_program_speedup", "prediction_error_program",
+          "prediction_error_program_mean", "prediction_error_program_max",
+          "first_pick_measured_speedup", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp"]
+  print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:
-    print(" ".join(f"{c[k]:>24.4g}" if isinstance(c[k], float) else f"{c[k]:>24}" for k in cols))
+    if "skipped" in c:
+      print(f"{c['model']:>16} skipped: {c['skipped']}")
+      continue
+    print(" ".join(f"{c[k]:>16.4g}" if isinstance(c[k], float) else f"{c[k]:>16}" for k in cols))
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(cases, indent=2))
     print(f"wrote {FLAGS.out}")

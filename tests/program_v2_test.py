@@ -226,3 +226,25 @@ def test_timeline_orders_tasks_by_their_dependencies():
     assert t[("F", 0, c)][1] <= t[("F", 1, c)][0]
     assert t[("B", 1, c)][1] <= t[("B", 0, c)][0]
   assert max(end for _, end in t.values()) < 2 * 2 * 3.0  # the pipeline overlaps the devices
+
+
+def test_dry_run_reports_memory_without_allocating(tmp_path):
+  """run.py --dry_run: plans, compiles from abstract inputs, writes the memory table."""
+  import json
+
+  from jaxhybrid.train import dry_run, runner
+
+  config = runner.RunConfig(
+    model="gnmt", size="tiny", mesh="1x2", microbatches=2, planner="dp", dry_run=True,
+    workdir=str(tmp_path / "dry"), hardware="dgx1-v100", schedule="zb",
+  )
+  results = dry_run.run(config)
+  saved = json.loads((tmp_path / "dry" / "results.json").read_text())
+  mem = saved["memory"]
+  assert saved["fits"] and mem["compiled"] > 0 and mem["predicted"] > 0
+  assert mem["compiled"] == mem["compiled_arguments"] + mem["compiled_temp"]
+  assert saved["schedule"]["kind"] == "zb" and "memory per device" in results["memory_table"]
+  assert (tmp_path / "dry" / "plan.json").exists()
+  with pytest.raises(runner.errors.UsageError, match="--schedule='fast'"):
+    dry_run.run(runner.RunConfig(model="gnmt", size="tiny", mesh="1x2", schedule="fast",
+                                 dry_run=True, workdir=str(tmp_path / "bad")))
