@@ -142,8 +142,8 @@ def parallelize(
   hardware: str | None = None,
   planner_options: dict[str, Any] | None = None,
   plan: Any = None,
-  depth: int = 2,
-  max_nodes: int | None = None,
+  depth: int | None = None,
+  max_nodes: int | None = graph_lib.DEFAULT_MAX_NODES,
   remat: Sequence[str] = (),
   program_options: dict[str, Any] | None = None,
 ) -> Hybrid:
@@ -163,7 +163,9 @@ def parallelize(
     hardware: hardware profile name for the default costs.
     planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...).
     plan: an existing Plan to apply instead of planning (must be for this graph).
-    depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`).
+    depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`): by default the module
+      tree is cut from the top towards `max_nodes` nodes (lists of layers become one node per
+      layer); `depth=d` asks for a uniform cut at d module-path components instead.
     remat: node names to rematerialise.
     program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes,
       branch_remat).
