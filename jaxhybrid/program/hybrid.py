@@ -471,6 +471,7 @@ class HybridProgram:
     if len(leaves) != len(self.per_example):
       raise ValueError(f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)}")
     W, k = self.mesh.shape[DATA], self.microbatches
+    self.check_batch(leaves)
     out = []
     for x, pe in zip(leaves, self.per_example):
       if pe and np.shape(x)[0] % (W * k):
@@ -480,6 +481,35 @@ class HybridProgram:
         )
       out.append(_global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P())))
     return out
+
+  def check_batch(self, leaves: Sequence[Any]) -> None:
+    """Raises a one-line ValueError unless the batch leaves have the shapes compiled for.
+
+    Per-example leaves must have the global batch (data x micro-batches x micro-batch size) as
+    leading dimension and the traced trailing dimensions; shared leaves their traced shape.
+    """
+    W, k = self.mesh.shape[DATA], self.microbatches
+    avals = [
+      v.aval for v, (kind, _) in zip(self.graph.jaxpr.invars, self.graph.input_kinds)
+      if kind == graph_lib.BATCH
+    ]
+    want = [
+      ((W * k * a.shape[0],) + tuple(a.shape[1:])) if pe else tuple(a.shape)
+      for a, pe in zip(avals, self.per_example)
+    ]
+    got = [tuple(np.shape(x)) for x in leaves]
+    if got == want:
+      return
+    names = [n or "batch" for n in self.graph.batch_paths]
+    fmt = lambda pairs: ", ".join(f"{n}{list(shape)}" for n, shape in pairs)  # noqa: E731
+    per_ex = fmt((n, w) for n, w, pe in zip(names, want, self.per_example) if pe)
+    shared = fmt((n, w) for n, w, pe in zip(names, want, self.per_example) if not pe)
+    raise ValueError(
+      f"the step was compiled for global batch {W * self.per_worker_batch} with per-example "
+      f"leaves {per_ex or '(none)'}" + (f" and shared leaves {shared}" if shared else "")
+      + f"; got {fmt(zip(names, got))}: pass batches shaped like the sample batch, or call "
+      "parallelize again with a sample batch of the new size"
+    )
 
   def lower(self, ts: TrainState, batch: Any):
     """Lowers the step (for HLO inspection and `compile().memory_analysis()`)."""
