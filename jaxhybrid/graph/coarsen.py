@@ -7,12 +7,13 @@ An equation belongs to the first prefix of its path that is not split (its *unit
 whose whole path is split sits directly in a split scope between module calls: it is *glue*
 (an activation between two layers, the concat after two towers, the loss after the model).
 
-A *run* is a maximal contiguous sequence (in trace order) of equations of the same unit, or of
-glue of the same scope. Runs of units stay apart; glue runs then join a neighbour only where that
-adds no dependency the model does not have:
+A *run* is a maximal contiguous sequence (in trace order) of equations of the same unit, or one
+glue equation (neighbouring glue equations may be unrelated: the sum of one tower's output and
+the input of the next). Runs of units stay apart; glue runs then join a neighbour only where
+that adds no dependency the model does not have:
 
-1. a glue run whose inputs come from one group only (besides the loss's inputs) joins that
-   group, its producer (an activation after a layer joins the layer; the loss joins the head);
+1. a glue run whose inputs come from one group only (besides the loss's inputs and glue computed
+   from them alone) joins that group, its producer (an activation after a layer joins the layer; the loss joins the head);
 2. otherwise, a glue run whose outputs all go to one group joins that consumer (a concat of two
    towers joins the head that reads it);
 3. otherwise it stays a small node of its own (a concat read by several branches).
@@ -73,7 +74,7 @@ class _Groups:
     self.keys: list[tuple[bool, Path]] = []
     for i, p in enumerate(paths):
       k = _unit_of(p, split)
-      if self.keys and self.keys[-1] == k:
+      if self.keys and self.keys[-1] == k and not k[0]:
         self.runs[-1].append(i)
       else:
         self.runs.append([i])
@@ -119,9 +120,18 @@ class _Groups:
   def resolve_glue(self, has_output: Sequence[bool]) -> None:
     """Joins glue runs to their single producer group, else to their single consumer group."""
     glue = [r for r, (g, _) in enumerate(self.keys) if g]
+    # Glue computed from the loss's inputs alone (e.g. label indices) goes with its consumer and
+    # does not count as a producer of the glue that reads it.
+    free: set[int] = set()
+    for r in glue:
+      if all(s in free for s in self.reads[r]):
+        free.add(r)
     for r in glue:  # in trace order: a chain of glue follows its producer
+      if r in free:
+        continue
       rep = self.find(r)
       src = self._neighbours(rep, self.reads)
+      src = {g for g in src if not all(m in free for m in self.members[g])}
       if len(src) == 1:
         self.join(rep, src.pop())
     for r in reversed(glue):  # in reverse: a chain of glue follows its consumer
