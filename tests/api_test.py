@@ -306,7 +306,7 @@ def test_init_with_a_seed_raises(small_hybrid):
   _one_line(e)
 
 
-@pytest.mark.parametrize("rows,width", [(16, 8), (6, 8), (8, 9)])
+@pytest.mark.parametrize("rows,width", [(16, 8), (12, 8), (8, 9)])
 def test_batch_of_another_shape_is_one_line(small_hybrid, rows, width):
   _, _, hy = small_hybrid
   bad = regression_batch(rows, width)

@@ -190,7 +190,8 @@ def test_noise_scale_inputs_are_worker_and_global_gradient_norms():
 
 
 def _exchange_tower(node):
-  return int(node.name.split("/")[1])
+  # 'first/i', 'second/i'; the loss (the sum of the towers) is its own node: tower 0's device.
+  return int(node.name.split("/")[1]) if "/" in node.name else 0
 
 
 @pytest.mark.parametrize("mesh_spec,k", [("1x2", 2), ("2x4", 1)])
@@ -207,7 +208,8 @@ def test_packed_transfers_match_reference_and_use_fewer_permutes(mesh_spec, k):
       consumers.setdefault(v, set()).add(prog.assignment[n.id])
   messages = [m for grp in prog.groups for m in structure.group_messages(prog.graph, grp, consumers, M, prog.pack_max_bytes)]
   assert any(len(m.payloads) > 1 for m in messages), "some message should carry several sources"
-  assert any(len(keys) > 1 for m in messages for keys in m.payloads.values())
+  if M == 2:  # a device holds two towers: it sends two tensors in one message
+    assert any(len(keys) > 1 for m in messages for keys in m.payloads.values())
   if M == 4:
     assert len({m.shift for m in messages}) >= 2
   assert_matches_reference(prog, p, s, pure, batch, opt)

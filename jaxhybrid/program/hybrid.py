@@ -471,16 +471,17 @@ class HybridProgram:
     if len(leaves) != len(self.per_example):
       raise ValueError(f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)}")
     W, k = self.mesh.shape[DATA], self.microbatches
-    self.check_batch(leaves)
-    out = []
     for x, pe in zip(leaves, self.per_example):
       if pe and np.shape(x)[0] % (W * k):
         raise ValueError(
           f"batch dimension {np.shape(x)[0]} is not divisible by data ({W}) x micro-batches ({k}): "
           f"use a global batch that is a multiple of {W * k}"
         )
-      out.append(_global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P())))
-    return out
+    self.check_batch(leaves)
+    return [
+      _global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P()))
+      for x, pe in zip(leaves, self.per_example)
+    ]
 
   def check_batch(self, leaves: Sequence[Any]) -> None:
     """Raises a one-line ValueError unless the batch leaves have the shapes compiled for.
