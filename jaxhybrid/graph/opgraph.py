@@ -302,8 +302,6 @@ def _check_coarsening(depth: int | None, max_nodes: int | None) -> None:
     )
   if max_nodes is not None and max_nodes < 1:
     raise ValueError(f"max_nodes={max_nodes}: use a node count >= 1")
-  if depth is None and max_nodes is None:
-    raise ValueError("depth=None needs a target max_nodes: pass max_nodes=N or a depth")
 
 
 def trace_function(
@@ -325,7 +323,7 @@ def trace_function(
       default): the module tree is refined from the top, splitting the costliest node that has
       submodules, while the node count stays within `max_nodes`.
     max_nodes: target and bound of the node count: adjacent nodes are merged until at most this
-      many remain. None: no bound (only with `depth`).
+      many remain. None: no bound with `depth`; without it, `DEFAULT_MAX_NODES`.
     root_scope: a leading name-stack component to drop (linen's root module class name).
 
   Returns:
