@@ -132,8 +132,14 @@ def _reaches(g, src: int, dst: int) -> bool:
 def test_concat_glue_adds_no_edge_between_towers():
   model = nnx.eval_shape(lambda: TwoTowers(16, rngs=nnx.Rngs(0)))
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), regression_batch(8, 16))
-  for kw in ({}, {"depth": 1}):
+  towers = ["left/up", "left/down", "right/up", "right/down"]
+  for kw, names in (
+    ({}, towers), ({"depth": 1}, ["left", "right"]), ({"depth": 2}, towers),
+    ({"depth": 3}, towers),  # a module without sub-scopes (head) is a node at any depth
+  ):
     g = graph_lib.trace(model, mse, batch, **kw)
+    # tanh(x) feeds both towers: a small node of its own.
+    assert [n.name for n in g.nodes] == ["<root>", *names, "head"]
     left = [n.id for n in g.nodes if n.name.split("/")[0] == "left"]
     right = [n.id for n in g.nodes if n.name.split("/")[0] == "right"]
     head = _node(g, "head")

@@ -233,7 +233,8 @@ def coarsen(
   has_output_eqn = [any(v in out_set for v in e.outvars) for e in eqns]
   paths = [tuple(p) for p in paths]
   if depth is not None:
-    split = {p[:i] for p in paths for i in range(min(len(p), depth - 1) + 1)}
+    # Split every scope shorter than `depth` that has equations in a sub-scope.
+    split = {p[:i] for p in paths for i in range(min(len(p) - 1, depth - 1) + 1)}
     split.add(())
   else:
     split = _refine(eqns, paths, max_nodes or DEFAULT_MAX_NODES, has_output_eqn)
