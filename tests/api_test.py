@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from jaxhybrid import api
@@ -195,6 +196,30 @@ def test_max_nodes_bounds_the_refined_graph():
     assert len(g.nodes) <= target
     assert all(e.src < e.dst for e in g.edges)
     assert g.total_flops == pytest.approx(full.total_flops)
+
+
+def test_linen_sequential_and_attend_get_their_own_nodes():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1, name="head")(nn.Sequential([nn.Dense(8) for _ in range(4)])(x))
+
+  class Tied(nn.Module):
+    def setup(self):
+      self.embed = nn.Embed(20, 8)
+      self.hidden = nn.Dense(8)
+
+    def __call__(self, tokens):
+      return self.embed.attend(jnp.tanh(self.hidden(self.embed(tokens))))
+
+  for model, x, names in (
+    (Net(), jnp.ones((4, 8)), [f"Sequential_0/Dense_{i}" for i in range(4)] + ["head"]),
+    (Tied(), jnp.ones((4, 3), jnp.int32), ["embed", "hidden", "embed.attend"]),
+  ):
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    loss = lambda p, b, model=model: jnp.mean(model.apply({"params": p}, b))  # noqa: E731
+    g = graph_lib.trace(model, loss, x, params=params)
+    assert [n.name for n in g.nodes] == names
 
 
 def test_tied_embedding_attend_owns_a_node_and_matches_reference():
