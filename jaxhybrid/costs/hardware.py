@@ -325,7 +325,8 @@ def _measure_cpu_figures(*, matmul_size: int, copy_bytes: int, reps: int) -> dic
   t_op = _best_seconds(lambda: tiny(one).block_until_ready(), 4 * reps)
 
   figures = {
-    "device_kind": cpu.device_kind, "flops": flops, "mem_bw": mem_bw, "link_bw": src.nbytes / t_copy,
+    "device_kind": cpu.device_kind, "flops": flops, "mem_bw": mem_bw,
+    "link_bw": src.nbytes / t_copy,
     "t_op": t_op, "t_mm": t_mm, "t_copy": t_copy, "n": n, "copy_bytes": copy_bytes, "reps": reps,
   }
   logging.info(

@@ -13,7 +13,8 @@ the input of the next). Runs of units stay apart; glue runs then join a neighbou
 that adds no dependency the model does not have:
 
 1. a glue run whose inputs come from one group only (besides the loss's inputs and glue computed
-   from them alone) joins that group, its producer (an activation after a layer joins the layer; the loss joins the head);
+   from them alone) joins that group, its producer (an activation after a layer joins the
+   layer; the loss joins the head);
 2. otherwise, a glue run whose outputs all go to one group joins that consumer (a concat of two
    towers joins the head that reads it);
 3. otherwise it stays a small node of its own (a concat read by several branches).

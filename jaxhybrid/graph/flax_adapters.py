@@ -1,8 +1,8 @@
 """Flax adapters for tracing: NNX models as pure loss functions, with module paths as name scopes.
 
 NNX records no module paths in equations; `nnx_name_scopes` opens a `jax.named_scope` per
-submodule method call while tracing, so `jaxhybrid.graph` can group equations by module as it does for
-linen (whose name stack already carries them).
+submodule method call while tracing, so `jaxhybrid.graph` can group equations by module as it
+does for linen (whose name stack already carries them).
 """
 
 from __future__ import annotations

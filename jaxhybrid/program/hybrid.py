@@ -48,7 +48,7 @@ from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import DATA, MODEL
-from jaxhybrid.program import param_rows, transfers
+from jaxhybrid.program import batch_shapes, param_rows, transfers
 from jaxhybrid.program.structure import (
   DEFAULT_PACK_MAX_BYTES,
   ParamLayout,
@@ -477,40 +477,11 @@ class HybridProgram:
           f"batch dimension {np.shape(x)[0]} is not divisible by data ({W}) x micro-batches ({k}): "
           f"use a global batch that is a multiple of {W * k}"
         )
-    self.check_batch(leaves)
+    batch_shapes.check(self.graph, self.per_example, W, k, leaves)
     return [
       _global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P()))
       for x, pe in zip(leaves, self.per_example)
     ]
-
-  def check_batch(self, leaves: Sequence[Any]) -> None:
-    """Raises a one-line ValueError unless the batch leaves have the shapes compiled for.
-
-    Per-example leaves must have the global batch (data x micro-batches x micro-batch size) as
-    leading dimension and the traced trailing dimensions; shared leaves their traced shape.
-    """
-    W, k = self.mesh.shape[DATA], self.microbatches
-    avals = [
-      v.aval for v, (kind, _) in zip(self.graph.jaxpr.invars, self.graph.input_kinds)
-      if kind == graph_lib.BATCH
-    ]
-    want = [
-      ((W * k * a.shape[0],) + tuple(a.shape[1:])) if pe else tuple(a.shape)
-      for a, pe in zip(avals, self.per_example)
-    ]
-    got = [tuple(np.shape(x)) for x in leaves]
-    if got == want:
-      return
-    names = [n or "batch" for n in self.graph.batch_paths]
-    fmt = lambda pairs: ", ".join(f"{n}{list(shape)}" for n, shape in pairs)  # noqa: E731
-    per_ex = fmt((n, w) for n, w, pe in zip(names, want, self.per_example) if pe)
-    shared = fmt((n, w) for n, w, pe in zip(names, want, self.per_example) if not pe)
-    raise ValueError(
-      f"the step was compiled for global batch {W * self.per_worker_batch} with per-example "
-      f"leaves {per_ex or '(none)'}" + (f" and shared leaves {shared}" if shared else "")
-      + f"; got {fmt(zip(names, got))}: pass batches shaped like the sample batch, or call "
-      "parallelize again with a sample batch of the new size"
-    )
 
   def lower(self, ts: TrainState, batch: Any):
     """Lowers the step (for HLO inspection and `compile().memory_analysis()`)."""
