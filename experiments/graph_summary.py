@@ -3,7 +3,7 @@ r"""Prints the op graph of a model's training loss and its analytic per-node tim
 Traces abstractly (no parameter is allocated), so paper sizes work on a laptop:
 
   python experiments/graph_summary.py --model=biglstm --size=paper
-  python experiments/graph_summary.py --model=inception_v3 --size=paper --depth=1 --max_nodes=40 \
+  python experiments/graph_summary.py --model=inception_v3 --size=paper --depth=2 --max_nodes=40 \
       --hardware=dgx1-v100
   python experiments/graph_summary.py --model=gnmt --size=small --hardware=cpu
 
@@ -27,8 +27,14 @@ _SIZE = flags.DEFINE_enum("size", "paper", list(models.SIZES), "Model size prese
 _BATCH = flags.DEFINE_integer(
   "batch", 128, "Per-device batch size (128 is BigLSTM's per-GPU batch in the paper)."
 )
-_DEPTH = flags.DEFINE_integer("depth", 1, "Module-path components that name a node.")
-_MAX_NODES = flags.DEFINE_integer("max_nodes", None, "Merge adjacent nodes down to this many.")
+_DEPTH = flags.DEFINE_integer(
+  "depth", None, "Uniform cut: module-path components that name a node (default: cut the "
+  "module tree towards --max_nodes, as parallelize does)."
+)
+_MAX_NODES = flags.DEFINE_integer(
+  "max_nodes", None, "Node-count target and bound (default: jaxhybrid.graph.DEFAULT_MAX_NODES "
+  "without --depth, no bound with it)."
+)
 _HARDWARE = flags.DEFINE_enum(
   "hardware", "dgx1-v100", list(hardware.names()), "Hardware of the analytic cost model."
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,23 +92,81 @@ def default_costs(hardware: str | None = None):
   return costs_lib.AnalyticCostModel(hw_lib.get(hardware))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanCheck:
+  """The chosen plan and the single-device program, priced as the program runs them.
+
+  Both are `jaxhybrid.program.lockstep.plan_step_s` step times (seconds per worker step, without
+  the optimizer-update and zero-fill passes, which need timing on the device) under the cost
+  model the planner used.
+  """
+
+  # Lock-step price of the planner's plan.
+  plan_step_s: float
+  # Lock-step price of every node on model-axis device 0 (the single-device program).
+  single_step_s: float
+  # The planner's own (asynchronous schedule) prediction for its plan.
+  planner_step_s: float
+  # True when the planner's plan priced slower than one device and the hybrid runs on one.
+  fell_back: bool
+  # The planner's plan, kept even when the hybrid fell back to one device.
+  planned: Any = None
+
+  @property
+  def speedup(self) -> float:
+    """Single-device over plan step time, as the program runs (< 1: the plan is slower)."""
+    return self.single_step_s / self.plan_step_s if self.plan_step_s > 0 else 1.0
+
+
 @dataclasses.dataclass
 class Hybrid:
-  """A placed, compiled hybrid training step and everything that produced it."""
+  """A placed, compiled hybrid training step and everything that produced it.
+
+  Attributes:
+    graph: the traced op graph.
+    plan: the plan the program runs (`plan.assignment`: node -> model-axis device; see README).
+    program: the compiled `HybridProgram`.
+    mesh: the (data, model) mesh.
+    check: the plan and the single-device program priced in lock step (None when a plan was
+      given for one device or the model axis has one device).
+  """
 
   graph: graph_lib.OpGraph
   plan: Any
   program: program_lib.HybridProgram
   mesh: Any
-  init_leaves: Callable[[int], list[Any]]
+  init_leaves: Callable[[], list[Any]]
   reference_loss: Callable[[Any, Any, Any], jax.Array]  # f(params, state, batch) single device
+  check: PlanCheck | None = None
 
-  def init(self, seed: int = 0) -> program_lib.TrainState:
-    """Parameters (from the model) packed onto the mesh, plus optimizer state."""
-    return self.program.init_state(self.init_leaves(seed))
+  def init(self, seed: int | None = None) -> program_lib.TrainState:
+    """The model's initial parameters packed onto the mesh, plus optimizer state.
+
+    The parameters are the ones the model carries (NNX: the module's values; linen: the
+    `params=` given to `parallelize`); choose the seed when building the model.
+
+    Raises:
+      ValueError: if a seed is given (it would be ignored).
+    """
+    if seed is not None:
+      raise ValueError(
+        f"init(seed={seed!r}): the hybrid starts from the model's own parameters; build the "
+        "model with that seed instead (nnx.Rngs(seed), or linen model.init(jax.random.key(seed), "
+        "...)) and call init()"
+      )
+    return self.program.init_state(self.init_leaves())
 
   def step(self, state: program_lib.TrainState, batch: Any):
-    """One training step on a global batch -> (state, metrics)."""
+    """One training step on a global batch -> (new state, metrics).
+
+    The state passed in is DONATED: its buffers are reused for the new state and deleted, so
+    keep only the returned state (`state, m = hybrid.step(state, batch)`); to keep a copy, take
+    `jax.tree.map(jnp.copy, state)` first.
+
+    Raises:
+      ValueError: if the batch's shapes are not the ones the step was compiled for (one line
+        naming the expected global batch and leaf shapes).
+    """
     return self.program.step(state, batch)
 
   def params(self, state: program_lib.TrainState) -> Any:
@@ -142,8 +201,8 @@ def parallelize(
   hardware: str | None = None,
   planner_options: dict[str, Any] | None = None,
   plan: Any = None,
-  depth: int = 2,
-  max_nodes: int | None = None,
+  depth: int | None = None,
+  max_nodes: int | None = graph_lib.DEFAULT_MAX_NODES,
   remat: Sequence[str] = (),
   program_options: dict[str, Any] | None = None,
 ) -> Hybrid:
@@ -163,16 +222,23 @@ def parallelize(
     hardware: hardware profile name for the default costs.
     planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...).
     plan: an existing Plan to apply instead of planning (must be for this graph).
-    depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`).
+    depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`): by default the module
+      tree is cut from the top towards `max_nodes` nodes (lists of layers become one node per
+      layer); `depth=d` asks for a uniform cut at d module-path components instead.
     remat: node names to rematerialise.
     program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes,
       branch_remat).
 
   Returns:
-    A `Hybrid` with `.graph`, `.plan`, `.program`, `.init()`, `.step()`.
+    A `Hybrid` with `.graph`, `.plan`, `.program`, `.check`, `.init()`, `.step()`. The plan is
+    priced as the program runs it (`jaxhybrid.program.lockstep.plan_step_s`) against the
+    single-device program; if the planner's plan is slower, a warning gives both figures and
+    the hybrid runs everything on one model-axis device (a given `plan` is kept, with the
+    warning). `hybrid.check` records the figures.
 
   Raises:
-    ValueError: on an unknown planner, a batch that does not divide, or a plan for another graph.
+    ValueError: on an unknown planner, a batch that does not divide, a plan for another graph,
+      `params=` with an NNX model, or a linen model without `params=`.
   """
   from jaxhybrid import planner as planner_lib
 
@@ -199,6 +265,11 @@ def parallelize(
   spec, per_example = microbatch_spec(sample_batch, global_batch, micro)
 
   if graph_lib.is_nnx_module(model):
+    if params is not None:
+      raise ValueError(
+        f"params= is for linen models; {type(model).__name__} is an nnx.Module, which carries "
+        "its parameters: drop params="
+      )
     _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
     g = graph_lib.trace_function(pure, p, s, spec, depth=depth, max_nodes=max_nodes)
     _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
@@ -210,14 +281,13 @@ def parallelize(
       for x in jax.tree.leaves(s)
     ]
 
-    def init_leaves(seed: int) -> list[Any]:
-      del seed  # the NNX model carries its own initial values
+    def init_leaves() -> list[Any]:
       if abstract:
         raise ValueError(
           "the model is abstract (nnx.eval_shape): build it concretely to train, or use "
           "hybrid.program.memory() to check the fit without parameters"
         )
-      return jax.tree.leaves(p)
+      return jax.tree.leaves(p)  # the NNX model carries its own initial values
 
     reference = pure_plain
   elif graph_lib.is_linen_module(model):
@@ -226,8 +296,7 @@ def parallelize(
     g = graph_lib.trace(model, loss_fn, spec, params=params, depth=depth, max_nodes=max_nodes)
     state_leaves = []
 
-    def init_leaves(seed: int) -> list[Any]:
-      del seed
+    def init_leaves() -> list[Any]:
       return jax.tree.leaves(params)
 
     def reference(p_, s_, b_):
@@ -236,12 +305,15 @@ def parallelize(
   else:
     raise ValueError(f"cannot parallelize {type(model).__name__}: pass an nnx.Module or a linen Module")
 
+  c = costs if costs is not None else default_costs(hardware)
+  prog_opts = dict(program_options or {})
+  check = None
   if plan is None:
-    c = costs if costs is not None else default_costs(hardware)
     opts = dict(planner_options or {})
     opts.setdefault("microbatches", microbatches)
     opts.setdefault("method", planner)
     plan = planner_lib.place(g, c, devices=model_ax, **opts)
+    plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=True)
     if jax.process_count() > 1:
       # Every process must run the same program: time-limited searches (and ties) can differ
       # between processes, and different plans would deadlock in the first collective.
@@ -251,17 +323,62 @@ def parallelize(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
       f"{g.fingerprint()}: re-plan (or check model size, batch and micro-batches)"
     )
+  else:
+    plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=False)
   order = structure.plan_order(plan.schedule)
-  options = dict(program_options or {})
-  if plan.task_schedule and "schedule" not in options:
-    options["schedule"] = plan.task_schedule  # the schedule a saved plan was run with
+  if plan.task_schedule and "schedule" not in prog_opts:
+    prog_opts["schedule"] = plan.task_schedule  # the schedule a saved plan was run with
   try:
     prog = program_lib.HybridProgram.build(
       g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
-      state=state_leaves, per_example=per_example, remat=remat, **options,
+      state=state_leaves, per_example=per_example, remat=remat, **prog_opts,
     )
   except ValueError as e:
     raise ValueError(f"{e}") from None
   # The plan records the task schedule the program runs (plan.json carries it; schema 2).
   plan = dataclasses.replace(plan, task_schedule=prog.schedule)
-  return Hybrid(graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves, reference_loss=reference)
+  return Hybrid(
+    graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
+    reference_loss=reference, check=check,
+  )
+
+
+def _check_plan(
+  g: graph_lib.OpGraph, plan: Any, costs: Any, devices: int, microbatches: int,
+  program_options: dict[str, Any], *, fall_back: bool,
+) -> tuple[Any, PlanCheck | None]:
+  """Prices `plan` and the single-device program in lock step; falls back to one device (with a
+  warning giving both figures) when the plan is slower and `fall_back` is set."""
+  from jaxhybrid import planner as planner_lib
+  from jaxhybrid.program import lockstep
+
+  if devices < 2 or len(set(plan.assignment)) < 2:
+    return plan, None
+  single = planner_lib.place(g, costs, devices=devices, microbatches=microbatches, method="single")
+  sched = program_options.get("schedule") or plan.task_schedule or None
+  kw = {
+    "pack_max_bytes": program_options.get("pack_max_bytes"),
+    "branch_remat": program_options.get("branch_remat", "none"),
+  }
+  t_plan = lockstep.plan_step_s(g, plan, costs, schedule=sched, **kw).step_s
+  # One device runs the same kind of schedule (a given TaskSchedule is for the plan's devices).
+  kind = sched.kind if isinstance(sched, planner_lib.TaskSchedule) else sched
+  t_single = lockstep.plan_step_s(g, single, costs, schedule=kind, **kw).step_s
+  slower = t_plan > t_single
+  check = PlanCheck(
+    plan_step_s=t_plan, single_step_s=t_single, planner_step_s=float(plan.predicted_step_s),
+    fell_back=slower and fall_back, planned=plan,
+  )
+  if slower:
+    what = "running everything on model-axis device 0" if fall_back else "keeping the given plan"
+    msg = (
+      f"the plan (method {plan.method}, predicted "
+      f"{plan.predicted_step_s * 1e3:.3g} ms by its own schedule) runs in "
+      f"{t_plan * 1e3:.3g} ms per step as the program runs it (lock step), slower than one "
+      f"device ({t_single * 1e3:.3g} ms): {what}"
+    )
+    warnings.warn(msg, stacklevel=3)
+    log.warning("%s", msg)
+    if fall_back:
+      return single, check
+  return plan, check

@@ -7,6 +7,7 @@ from jaxhybrid.planner.place import place, place_problem
 from jaxhybrid.planner.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.problem import Problem
 from jaxhybrid.planner.schedule import Task, Transfer, validate_schedule
+from jaxhybrid.planner.task_schedule import TaskSchedule
 
 __all__ = [
   "InfeasibleError",
@@ -15,6 +16,7 @@ __all__ = [
   "Problem",
   "SCHEMA_VERSION",
   "Task",
+  "TaskSchedule",
   "Transfer",
   "gantt",
   "lower_bound",

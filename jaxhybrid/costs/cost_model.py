@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.costs import hardware as hardware_lib
+from jaxhybrid.costs.hardware import CACHE_ENV, DEFAULT_CACHE_DIR
 from jaxhybrid.costs.links import (
   Interconnect,
   ring_allreduce_time_s,
@@ -47,8 +48,7 @@ from jaxhybrid.graph import remat
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/jaxhybrid/profiles")
-CACHE_ENV = "JAXHYBRID_PROFILE_CACHE"  # overrides DEFAULT_CACHE_DIR when set
+# Measured costs are cached under hardware.DEFAULT_CACHE_DIR (or $CACHE_ENV) with the CPU spec.
 _CACHE_SCHEMA = 1
 
 

@@ -18,10 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import os
+import pathlib
+import tempfile
 import time
 
 import numpy as np
+
+# Measured costs (profiled node times, the measured CPU spec) are cached here, per backend and
+# device kind, and reused across processes so plans are reproducible.
+DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/jaxhybrid/profiles")
+CACHE_ENV = "JAXHYBRID_PROFILE_CACHE"  # overrides DEFAULT_CACHE_DIR when set
 
 _GB = 1e9  # vendor datasheets use decimal gigabytes
 _GIB = 2**30
@@ -292,6 +301,12 @@ def measure_cpu(
   Returns:
     The measured spec, named 'cpu'.
   """
+  figures = _measure_cpu_figures(matmul_size=matmul_size, copy_bytes=copy_bytes, reps=reps)
+  return _cpu_spec(figures, devices_per_node)
+
+
+def _measure_cpu_figures(*, matmul_size: int, copy_bytes: int, reps: int) -> dict:
+  """The timings behind `measure_cpu`, as a JSON-able dict."""
   import jax  # deferred: importing this module must not start a JAX backend
   import jax.numpy as jnp
 
@@ -314,21 +329,36 @@ def measure_cpu(
   tiny(one).block_until_ready()
   t_op = _best_seconds(lambda: tiny(one).block_until_ready(), 4 * reps)
 
+  figures = {
+    "device_kind": cpu.device_kind, "flops": flops, "mem_bw": mem_bw,
+    "link_bw": src.nbytes / t_copy,
+    "t_op": t_op, "t_mm": t_mm, "t_copy": t_copy, "n": n, "copy_bytes": copy_bytes, "reps": reps,
+  }
+  logging.info(
+    "measured cpu: %.1f GFLOP/s, %.1f GB/s memory, %.1f us/op", flops / 1e9, mem_bw / 1e9,
+    t_op * 1e6,
+  )
+  return figures
+
+
+def _cpu_spec(f: dict, devices_per_node: int | None) -> Hardware:
+  """The 'cpu' spec from measured figures (see `measure_cpu`)."""
+  import jax  # deferred: importing this module must not start a JAX backend
+
   if devices_per_node is None:
     devices_per_node = len(jax.devices("cpu"))
-  link_bw = src.nbytes / t_copy  # device-to-device = one copy through shared memory
+  link_bw = f["link_bw"]  # device-to-device = one copy through shared memory
+  t_op = f["t_op"]
   try:
-    import os
-
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     memory = 0
-  hw = Hardware(
+  return Hardware(
     name="cpu",
-    device_kind=cpu.device_kind,
-    peak_flops=flops,
+    device_kind=f["device_kind"],
+    peak_flops=f["flops"],
     peak_flops_dtype="float32",
-    mem_bandwidth=mem_bw,
+    mem_bandwidth=f["mem_bw"],
     memory_bytes=int(memory),
     devices_per_node=devices_per_node,
     link_bandwidth=_uniform(devices_per_node, link_bw),
@@ -340,23 +370,49 @@ def measure_cpu(
     switched=True,
     host_bandwidth=link_bw,
     source=(
-      f"measured on this machine by jaxhybrid.costs.hardware.measure_cpu: jitted float32 {n}^3 matmul "
-      f"{t_mm * 1e3:.2f} ms, numpy copy of {copy_bytes / 2**20:.0f} MiB {t_copy * 1e3:.2f} ms, "
-      f"tiny jitted op dispatch {t_op * 1e6:.1f} us (best of {reps})."
+      f"measured on this machine by jaxhybrid.costs.hardware.measure_cpu: jitted float32 "
+      f"{f['n']}^3 matmul {f['t_mm'] * 1e3:.2f} ms, numpy copy of {f['copy_bytes'] / 2**20:.0f} "
+      f"MiB {f['t_copy'] * 1e3:.2f} ms, tiny jitted op dispatch {t_op * 1e6:.1f} us (best of "
+      f"{f['reps']})" + (f"; cached in {f['cached_in']}" if f.get("cached_in") else "") + "."
     ),
   )
-  logging.info(
-    "measured cpu: %.1f GFLOP/s, %.1f GB/s memory, %.1f us/op",
-    flops / 1e9,
-    mem_bw / 1e9,
-    t_op * 1e6,
-  )
+
+
+def _cpu_cache_path():
+  import jax  # deferred: importing this module must not start a JAX backend
+
+  root = pathlib.Path(os.environ.get(CACHE_ENV, DEFAULT_CACHE_DIR)).expanduser()
+  kind = "".join(c if c.isalnum() or c in "-_." else "_" for c in jax.devices("cpu")[0].device_kind)
+  return root / f"hardware-cpu-{kind}.json"
+
+
+def measured_cpu_cached(path: pathlib.Path | None = None) -> Hardware:
+  """The 'cpu' spec, measured once per machine: read from the profile cache, else measured and
+  stored there (`$JAXHYBRID_PROFILE_CACHE`, default `~/.cache/jaxhybrid/profiles`), so plans on
+  CPU costs are the same in every process. Delete the file to measure again."""
+  path = path or _cpu_cache_path()
+  try:
+    figures = json.loads(path.read_text())
+    if figures.get("schema") == 1:
+      return _cpu_spec({**figures, "cached_in": str(path)}, None)
+  except (OSError, ValueError, KeyError):
+    pass
+  figures = _measure_cpu_figures(matmul_size=512, copy_bytes=32 * 2**20, reps=5)
+  hw = _cpu_spec(figures, None)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+      json.dump({"schema": 1, **figures}, fh, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+  except OSError as e:
+    logging.warning("could not cache the measured cpu spec in %s: %s", path, e)
   return hw
 
 
 @functools.cache
 def _measured_cpu() -> Hardware:
-  return measure_cpu()
+  return measured_cpu_cached()
 
 
 _REGISTRY = {
@@ -374,7 +430,8 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Hardware:
-  """Returns the spec called `name`; 'cpu' is measured once per process and cached.
+  """Returns the spec called `name`; 'cpu' is measured once per machine and cached on disk
+  (`measured_cpu_cached`).
 
   Raises:
     ValueError: if `name` is not one of `names()`.

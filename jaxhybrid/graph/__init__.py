@@ -1,19 +1,19 @@
 """Step 1 of the flow: a Flax model's forward loss as an op graph with costs.
 
-Owns tracing (`jax.make_jaxpr` on abstract inputs), coarsening equations into module-level nodes
-(`opgraph`), per-equation FLOPs and bytes (`eqn_costs`), the Flax linen/NNX adapters
+Owns tracing (`jax.make_jaxpr` on abstract inputs, `opgraph`), coarsening equations into
+module-level nodes (`coarsen`), per-equation FLOPs and bytes (`eqn_costs`), the Flax linen/NNX adapters
 (`flax_adapters`), and how a node's equations are replayed: remat policies (`remat`) and CPU
 convolutions in canonical layout (`convs`).
 
 May import: jax, flax, numpy, and nothing else of jaxhybrid.
 """
 
+from jaxhybrid.graph.coarsen import DEFAULT_MAX_NODES, ROOT
 from jaxhybrid.graph.eqn_costs import EqnCost, aval_bytes, eqn_cost
 from jaxhybrid.graph.flax_adapters import is_linen_module, is_nnx_module, nnx_pure_loss
 from jaxhybrid.graph.opgraph import (
   BATCH,
   PARAM,
-  ROOT,
   STATE,
   Edge,
   Node,
@@ -23,6 +23,6 @@ from jaxhybrid.graph.opgraph import (
 )
 
 __all__ = [
-  "BATCH", "PARAM", "ROOT", "STATE", "Edge", "EqnCost", "Node", "OpGraph", "aval_bytes",
+  "BATCH", "DEFAULT_MAX_NODES", "PARAM", "ROOT", "STATE", "Edge", "EqnCost", "Node", "OpGraph", "aval_bytes",
   "eqn_cost", "is_linen_module", "is_nnx_module", "nnx_pure_loss", "trace", "trace_function",
 ]

@@ -1,12 +1,13 @@
 """Flax adapters for tracing: NNX models as pure loss functions, with module paths as name scopes.
 
 NNX records no module paths in equations; `nnx_name_scopes` opens a `jax.named_scope` per
-submodule call while tracing, so `jaxhybrid.graph` can group equations by module as it does for
-linen (whose name stack already carries them).
+submodule method call while tracing, so `jaxhybrid.graph` can group equations by module as it
+does for linen (whose name stack already carries them).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,16 +50,18 @@ def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scope
 
 
 class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
-  """While active, every call of a submodule of `root` runs under `jax.named_scope(path)`.
+  """While active, every method call of a submodule of `root` runs under its module path.
 
-  NNX records no module paths in equations; this patches `__call__` of the module classes in
-  the tree (restored on exit) and resets the name stack to the module's full attribute path, so
-  a submodule called from outside its parent still gets its own path.
+  NNX records no module paths in equations; this patches the public methods (`__call__` and
+  any other, e.g. a tied embedding's `attend`) of the module classes in the tree (restored on
+  exit) and resets the name stack to the module's full attribute path, so a submodule called
+  from outside its parent still gets its own path. A method other than `__call__` gets the path
+  `.../name.method`, as linen names it. A module calling its own methods stays in its scope.
   """
 
   def __init__(self, root: Any):
     self.root = root
-    self._saved: dict[type, Any] = {}
+    self._saved: list[tuple[type, str, Any]] = []
 
   def __enter__(self):
     from flax import nnx
@@ -68,42 +71,58 @@ class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
     for path, mod in nnx.iter_modules(self.root):
       if path:
         paths[id(mod)] = tuple(str(p) for p in path)
+    active: list[int] = []  # ids of the modules whose methods are running, innermost last
     classes = {type(m) for _, m in nnx.iter_modules(self.root)}
-    for cls in classes:
-      orig = cls.__dict__.get("__call__")
-      if orig is None:
-        # Inherited __call__: patch on this class and remove on exit.
-        orig_inherited = cls.__call__
-        self._saved[cls] = None
-        cls.__call__ = _scoped(orig_inherited, paths, source_info_util)
-      else:
-        self._saved[cls] = orig
-        cls.__call__ = _scoped(orig, paths, source_info_util)
+    for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
+      for name in _public_methods(cls, nnx.Module):
+        orig = cls.__dict__.get(name)
+        fn = getattr(orig if orig is not None else getattr(cls, name), "__wrapped__", None)
+        fn = fn or (orig if orig is not None else getattr(cls, name))
+        self._saved.append((cls, name, orig))
+        setattr(cls, name, _scoped(fn, name, paths, active, source_info_util))
     return self
 
   def __exit__(self, *exc):
-    for cls, orig in self._saved.items():
+    for cls, name, orig in reversed(self._saved):
       if orig is None:
-        del cls.__call__
+        delattr(cls, name)
       else:
-        cls.__call__ = orig
+        setattr(cls, name, orig)
     self._saved.clear()
     return False
 
 
-def _scoped(fn, paths, source_info_util):
+def _public_methods(cls: type, base: type) -> list[str]:
+  """`__call__` and the public plain methods of `cls` that `base` (nnx.Module) lacks."""
+  names = []
+  for name in dir(cls):
+    if name != "__call__" and (name.startswith("_") or hasattr(base, name)):
+      continue
+    if name == "__call__" and not callable(getattr(cls, name, None)):
+      continue
+    attr = inspect.getattr_static(cls, name)
+    if inspect.isfunction(attr):
+      names.append(name)
+  return names
+
+
+def _scoped(fn, method: str, paths, active: list[int], source_info_util):
   def wrapper(self, *args, **kwargs):
     path = paths.get(id(self))
-    if path is None:
-      return fn(self, *args, **kwargs)
-    with source_info_util.reset_name_stack():
-      with _nested_scopes(path):
-        return fn(self, *args, **kwargs)
+    if path is None or (active and active[-1] == id(self)):
+      return fn(self, *args, **kwargs)  # outside the tree, or a method calling its own module
+    if method != "__call__":
+      path = path[:-1] + (f"{path[-1]}.{method}",)
+    active.append(id(self))
+    try:
+      with source_info_util.reset_name_stack():
+        with _nested_scopes(path):
+          return fn(self, *args, **kwargs)
+    finally:
+      active.pop()
 
   wrapper.__wrapped__ = fn
   return wrapper
-
-
 class _nested_scopes:  # noqa: N801
   def __init__(self, parts: Sequence[str]):
     self.ctxs = [jax.named_scope(p) for p in parts]

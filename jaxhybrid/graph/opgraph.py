@@ -2,11 +2,14 @@
 
 The graph is built from `jax.make_jaxpr` of the forward loss on abstract inputs (no parameter is
 ever allocated, so a 1.8 B-parameter BigLSTM traces in seconds). Top-level equations are grouped
-by Flax module path, cut to `depth` path components: linen records module paths in each
-equation's name stack; for NNX, `trace` opens a name scope around every submodule call while
-tracing. A node is a maximal *contiguous* run (in trace order) of top-level equations with the
-same key, so the node graph is acyclic by construction: every edge goes from an earlier run to a
-later one. A module called twice becomes two nodes that share parameters.
+by Flax module path (`jaxhybrid.graph.coarsen`): linen records module paths in each equation's
+name stack; for NNX, `trace` opens a name scope around every submodule method call while
+tracing. By default the module tree is cut from the top towards a target node count
+(`max_nodes`, default `coarsen.DEFAULT_MAX_NODES`), so lists of layers become one node per
+layer; `depth` asks for a uniform cut instead. Glue between module calls (activations, concats,
+the loss) joins its producer or its consumer only where that adds no false dependency, so
+independent module calls stay independent. The node graph is acyclic. A module called twice
+becomes two nodes that share parameters.
 
 Each node keeps its equations, so a program can replay it (`OpGraph.node_fn`); this is how the
 hybrid program evaluates the forward node by node on different devices.
@@ -21,19 +24,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.extend as jex
 import numpy as np
 
+from jaxhybrid.graph import coarsen
+from jaxhybrid.graph.coarsen import DEFAULT_MAX_NODES
 from jaxhybrid.graph.eqn_costs import EqnCost, aval_bytes, eqn_cost
 from jaxhybrid.graph.flax_adapters import is_linen_module, is_nnx_module, nnx_pure_loss
 
 log = logging.getLogger(__name__)
-
-ROOT = "<root>"  # key of equations outside any module scope (e.g. the loss reduction)
 
 # Kinds of the traced function's inputs.
 PARAM, STATE, BATCH, CONST = "param", "state", "batch", "const"
@@ -44,7 +47,7 @@ class Node:
 
   Attributes:
     id: index in `OpGraph.nodes` (nodes are in topological order).
-    name: module path cut to the trace depth (unique; a repeated run gets `#k`).
+    name: module path of the node's unit (unique; a repeated call gets `#k`).
     eqns: the top-level jaxpr equations, in trace order.
     invars: variables read from outside the node (other nodes, params, batch, consts).
     outvars: variables produced here and read by later nodes or by the loss output.
@@ -96,7 +99,7 @@ class OpGraph:
     input_kinds: per jaxpr invar, `(kind, index)` with kind in {param, state, batch}.
     param_paths, state_paths, batch_paths: key paths of the flattened inputs.
     param_treedef, state_treedef, batch_treedef: tree structures to rebuild the inputs.
-    depth: module-path depth used for grouping.
+    depth: module-path depth of a uniform cut, or None for the cut refined to `max_nodes`.
   """
 
   nodes: list[Node]
@@ -109,7 +112,7 @@ class OpGraph:
   param_treedef: Any
   state_treedef: Any
   batch_treedef: Any
-  depth: int
+  depth: int | None
 
   # ---- derived views ------------------------------------------------------------------------
   @property
@@ -197,78 +200,23 @@ def _path(eqn: Any, strip: str | None) -> list[str]:
   return parts
 
 
-def _is_prefix(short: Sequence[str], long: Sequence[str]) -> bool:
-  return len(short) <= len(long) and list(long[: len(short)]) == list(short)
-
-
 def _build(
-  closed_jaxpr: Any, input_kinds, depth: int, max_nodes: int | None, strip: str | None = None
+  closed_jaxpr: Any, input_kinds, depth: int | None, max_nodes: int | None,
+  strip: str | None = None,
 ) -> tuple[list[Node], list[Edge]]:
   jaxpr = closed_jaxpr.jaxpr
-  runs: list[tuple[str, list[Any]]] = []
-  run_parts: list[str] = []
-  for eqn in jaxpr.eqns:
-    parts = _path(eqn, strip)[:depth]
-    k = "/".join(parts) or ROOT
-    if runs and runs[-1][0] == k:
-      runs[-1][1].append(eqn)
-    elif runs and len(parts) < depth and _is_prefix(parts, run_parts):
-      # Glue code in an enclosing scope (an activation between two submodules, a concat after
-      # the branches, the loss after the model) joins the run before it.
-      runs[-1][1].append(eqn)
-    else:
-      runs.append((k, [eqn]))
-      run_parts = parts
-  if max_nodes is not None and max_nodes >= 1:
-    runs = _merge_runs(runs, max_nodes)
+  groups = coarsen.coarsen(
+    jaxpr.eqns, [_path(e, strip) for e in jaxpr.eqns], jaxpr.outvars, depth=depth,
+    max_nodes=max_nodes,
+  )
   seen: dict[str, int] = {}
   nodes = []
-  for i, (k, eqns) in enumerate(runs):
+  for i, (k, eqns) in enumerate(groups):
     count = seen.get(k, 0)
     seen[k] = count + 1
     nodes.append(Node(id=i, name=k if count == 0 else f"{k}#{count}", eqns=eqns))
   _wire(nodes, jaxpr, input_kinds)
   return nodes, _edges(nodes)
-
-
-def _merge_runs(runs: list[tuple[str, list[Any]]], max_nodes: int) -> list[tuple[str, list[Any]]]:
-  """Merges adjacent runs (which keeps the graph acyclic) until at most `max_nodes` remain.
-
-  Adjacent runs where the later one reads the earlier one's output are merged first (that loses
-  no parallelism), cheapest pair first; then the cheapest adjacent pair of any kind.
-  """
-  runs = [(k, list(e)) for k, e in runs]
-  ends = [(k, k) for k, _ in runs]  # (first, last) original key of each merged run, for names
-
-  def cost(eqns):
-    return sum(eqn_cost(e).flops for e in eqns) + 1.0
-
-  while len(runs) > max_nodes:
-    best, best_score = None, None
-    for i in range(len(runs) - 1):
-      produced = {v for e in runs[i][1] for v in e.outvars}
-      dependent = any(
-        (not isinstance(v, jex.core.Literal)) and v in produced for e in runs[i + 1][1] for v in e.invars
-      )
-      score = (0 if dependent else 1, cost(runs[i][1]) + cost(runs[i + 1][1]))
-      if best_score is None or score < best_score:
-        best, best_score = i, score
-    (_, e0), (_, e1) = runs[best], runs[best + 1]
-    first, last = ends[best][0], ends[best + 1][1]
-    name = first if first == last else _common_prefix(first, last)
-    runs[best : best + 2] = [(name, e0 + e1)]
-    ends[best : best + 2] = [(first, last)]
-  return runs
-
-
-def _common_prefix(a: str, b: str) -> str:
-  pa, pb = a.split("/"), b.split("/")
-  common = []
-  for x, y in zip(pa, pb):
-    if x != y:
-      break
-    common.append(x)
-  return "/".join(common) + ("/" if common else "") + f"{{{pa[len(common)] if len(pa) > len(common) else ''}..{pb[len(common)] if len(pb) > len(common) else ''}}}"
 
 
 def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
@@ -347,14 +295,23 @@ def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
+def _check_coarsening(depth: int | None, max_nodes: int | None) -> None:
+  if depth is not None and depth < 1:
+    raise ValueError(
+      f"depth={depth}: the module-path depth must be >= 1 (or None to cut to max_nodes)"
+    )
+  if max_nodes is not None and max_nodes < 1:
+    raise ValueError(f"max_nodes={max_nodes}: use a node count >= 1")
+
+
 def trace_function(
   fn: Callable[[Any, Any, Any], jax.Array],
   params: Any,
   state: Any,
   batch: Any,
   *,
-  depth: int = 2,
-  max_nodes: int | None = None,
+  depth: int | None = None,
+  max_nodes: int | None = DEFAULT_MAX_NODES,
   root_scope: str | None = None,
 ) -> OpGraph:
   """Traces a pure loss `fn(params, state, batch) -> scalar` to an OpGraph.
@@ -362,18 +319,20 @@ def trace_function(
   Args:
     fn: the forward loss. `params` are trained; `state` (e.g. BatchNorm statistics) is read only.
     params, state, batch: pytrees of arrays or `jax.ShapeDtypeStruct` (abstract is enough).
-    depth: number of module-path components that name a node.
-    max_nodes: if set, adjacent nodes are merged until at most this many remain.
+    depth: if set, a uniform cut: this many module-path components name a node. None (the
+      default): the module tree is refined from the top, splitting the costliest node that has
+      submodules, while the node count stays within `max_nodes`.
+    max_nodes: target and bound of the node count: adjacent nodes are merged until at most this
+      many remain. None: no bound with `depth`; without it, `DEFAULT_MAX_NODES`.
     root_scope: a leading name-stack component to drop (linen's root module class name).
 
   Returns:
     The OpGraph.
 
   Raises:
-    ValueError: if `depth` < 1 or the loss is not a scalar.
+    ValueError: if `depth` < 1, `max_nodes` < 1, or the loss is not a scalar.
   """
-  if depth < 1:
-    raise ValueError(f"depth={depth}: the module-path depth must be >= 1")
+  _check_coarsening(depth, max_nodes)
   params, state, batch = _abstract(params), _abstract(state), _abstract(batch)
   closed = jax.make_jaxpr(fn)(params, state, batch)
   outs = closed.jaxpr.outvars
@@ -406,8 +365,8 @@ def trace(
   batch: Any,
   *,
   params: Any = None,
-  depth: int = 2,
-  max_nodes: int | None = None,
+  depth: int | None = None,
+  max_nodes: int | None = DEFAULT_MAX_NODES,
 ) -> OpGraph:
   """Traces the training loss of a Flax model (NNX or linen) to an OpGraph, abstractly.
 
@@ -419,8 +378,7 @@ def trace(
     batch: a pytree of arrays or `jax.ShapeDtypeStruct`.
     params: linen only: the parameter pytree (e.g. from `jax.eval_shape(model.init, ...)`,
       without the 'params' collection wrapper).
-    depth: number of module-path components that name a node.
-    max_nodes: merge adjacent nodes down to this many.
+    depth, max_nodes: how finely to cut the module tree (see `trace_function`).
 
   Returns:
     The OpGraph.

@@ -3,8 +3,9 @@
 Owns the hybrid program (`hybrid`: shard_map, per-group `lax.switch` on the model index,
 micro-batches, gradient all-reduce over 'data', optax inside), its static structure from a plan
 (`structure`: parameter layout, slots, groups, messages), parameter rows owned per device
-(`param_rows`), message sends (`transfers`), the lock-step price of a plan as the program runs
-it (`lockstep`), and the one-core-per-device CPU cluster used to time it (`localcluster`).
+(`param_rows`), message sends (`transfers`), the batch shapes a step accepts (`batch_shapes`),
+the lock-step price of a plan as the program runs it (`lockstep`), and the one-core-per-device
+CPU cluster used to time it (`localcluster`).
 
 May import: `jaxhybrid.graph`, `jaxhybrid.costs`, `jaxhybrid.mesh`, `jaxhybrid.noise_scale`.
 Knows nothing of the planner's search (it reads a plan's assignment and schedule) or training.

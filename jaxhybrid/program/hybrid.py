@@ -40,7 +40,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.program import executor, param_rows
+from jaxhybrid.program import batch_shapes, executor, param_rows
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import (
   DEFAULT_PACK_MAX_BYTES,
@@ -342,15 +342,17 @@ class HybridProgram:
     if len(leaves) != len(self.per_example):
       raise ValueError(f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)}")
     W, k = self.mesh.shape[DATA], self.microbatches
-    out = []
     for x, pe in zip(leaves, self.per_example):
       if pe and np.shape(x)[0] % (W * k):
         raise ValueError(
           f"batch dimension {np.shape(x)[0]} is not divisible by data ({W}) x micro-batches ({k}): "
           f"use a global batch that is a multiple of {W * k}"
         )
-      out.append(_global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P())))
-    return out
+    batch_shapes.check(self.graph, self.per_example, W, k, leaves)
+    return [
+      _global(np.asarray(x), NamedSharding(self.mesh, P(DATA) if pe else P()))
+      for x, pe in zip(leaves, self.per_example)
+    ]
 
   def memory(self, *, compile: bool = True):
     """Per-device memory of the step: our prediction and XLA's compiled analysis.

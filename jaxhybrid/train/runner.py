@@ -405,7 +405,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     hybrid.plan.save(os.path.join(wd, "plan.json"))
     planner_lib.gantt(hybrid.plan, os.path.join(wd, "gantt.png"))
 
-  state = _replicate_step(hybrid.init(config.seed), hybrid.mesh)
+  state = _replicate_step(hybrid.init(), hybrid.mesh)  # the model was built with the seed
   ckpt = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"), every=config.checkpoint_every)
   metrics_path = os.path.join(wd, "metrics.jsonl")
   start = 0
