@@ -4,7 +4,11 @@ r"""Benchmarks the DLPlacer MILP against the heuristics on the paper-size models
 
 For each model (abstract trace, analytic costs on --hardware) and each M in --devices, k in
 --microbatches: nodes, edges, solve time, status, gap, MILP makespan, lower bound, each
-heuristic's makespan and the predicted MP speedup. Expect every case within --time_limit_s, the
+heuristic's makespan and the predicted MP speedup. With --out, each case's full plan (Plan JSON:
+placement, schedule, bound) and the problem it solved (per-node times and memory, edges and their
+transfer times: the costs the plan can be checked against, with their fingerprint) are written to
+--plans_dir (default: beside --out, `<out>_plans/`), and the summary names the files. Expect
+every case within --time_limit_s, the
 MILP never worse than a heuristic, and the Inception-V3 2-way speedup printed beside the paper's
 1.32x (PAPER.md). The gap is (makespan - lower bound) / makespan, with the bound proven as
 planner/place.py describes; with k > 1 the cases run until the gap tolerance or the time limit,
@@ -13,8 +17,10 @@ so their times depend on the load of the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import statistics
 import time
 
@@ -41,6 +47,9 @@ _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 60.0, "Planner time limit per c
 _THREADS = flags.DEFINE_integer("threads", 2, "Solver threads.")
 _GAP = flags.DEFINE_float("gap", 0.01, "Relative gap tolerance.")
 _OUT = flags.DEFINE_string("out", None, "Write the cases as JSON here.")
+_PLANS_DIR = flags.DEFINE_string(
+  "plans_dir", None, "Write each case's plan and problem here (default: <out>_plans/ with --out)."
+)
 
 PAPER_INCEPTION_2WAY = 1.32  # DLPlacer's predicted 2-way MP speedup for Inception-V3 (PAPER.md)
 
@@ -62,6 +71,11 @@ def main(argv):
   logging.getLogger("mip").setLevel(logging.WARNING)
   cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
   cases = []
+  plans_dir = _PLANS_DIR.value
+  if plans_dir is None and _OUT.value:
+    plans_dir = os.path.splitext(_OUT.value)[0] + "_plans"
+  if plans_dir:
+    os.makedirs(plans_dir, exist_ok=True)
   header = (f"{'model':<13}{'M':>2}{'k':>3}{'nodes':>6}{'edges':>6}{'time_s':>8}  {'status':<9}"
             f"{'gap':>7}{'milp_ms':>10}{'lb_ms':>10}  heuristics (ms){'':<30}speedup")
   print(header)
@@ -69,21 +83,30 @@ def main(argv):
     graph = _trace(name)
     for m in (int(v) for v in _DEVICES.value):
       for k in (int(v) for v in _MICROBATCHES.value):
-        start = time.perf_counter()
-        plan = planner.place(
-          graph, cost_model, devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value,
-          threads=_THREADS.value, gap=_GAP.value,
+        opts = planner.PlannerOptions(
+          devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
+          gap=_GAP.value,
         )
+        problem = planner.Problem.from_graph(graph, cost_model, opts)  # what place() solves
+        start = time.perf_counter()
+        plan = planner.place_problem(problem, opts)
+        solve_time_s = time.perf_counter() - start
+        planner.validate_schedule(problem, plan.assignment, plan.schedule, k, opts.caps())
         case = dict(
           model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
           edges=len({(e.src, e.dst) for e in graph.edges}),
-          solve_time_s=time.perf_counter() - start, status=plan.status, gap=plan.gap,
+          solve_time_s=solve_time_s, status=plan.status, gap=plan.gap,
           makespan=plan.predicted_step_s, lower_bound=plan.lower_bound_s,
           heuristics=dict(plan.heuristics), found_by=plan.found_by,
           predicted_speedup=plan.predicted_speedup,
           single_device_s=plan.single_device_s,
           milp_not_worse=plan.predicted_step_s <= min(plan.heuristics.values()) * (1 + 1e-9),
+          time_limit_s=_TIME_LIMIT.value,
+          within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
+          costs_fingerprint=problem.digest(), schedule_valid=True,
         )
+        if plans_dir:
+          case.update(_write_plan(plans_dir, f"{name}_M{m}_k{k}", plan, problem))
         cases.append(case)
         heur = " ".join(f"{h}={v * 1e3:.2f}" for h, v in plan.heuristics.items())
         line = (f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{case['edges']:>6}"
@@ -94,12 +117,26 @@ def main(argv):
           line += f" (paper: {PAPER_INCEPTION_2WAY}x)"
         print(line, flush=True)
   times = [c["solve_time_s"] for c in cases]
+  within = sum(c["within_time_limit"] for c in cases)
   print(f"cases {len(cases)}: max time {max(times):.1f}s, median {statistics.median(times):.1f}s,"
         f" max gap {max(c['gap'] for c in cases):.2%}, MILP never worse than a heuristic: "
-        f"{all(c['milp_not_worse'] for c in cases)}")
+        f"{all(c['milp_not_worse'] for c in cases)}, within the time limit + 5 %: "
+        f"{within}/{len(cases)}")
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(cases, f, indent=1)
+
+
+def _write_plan(folder: str, stem: str, plan: planner.Plan, problem: planner.Problem) -> dict:
+  """Writes `<stem>.plan.json` (Plan.load reads it) and `<stem>.problem.json` (the Problem's
+  fields; `planner.Problem(**json)` with tuples restores it) and returns their names for the
+  summary."""
+  plan_file, problem_file = f"{stem}.plan.json", f"{stem}.problem.json"
+  plan.save(os.path.join(folder, plan_file))
+  with open(os.path.join(folder, problem_file), "w") as f:
+    json.dump(dict(dataclasses.asdict(problem), digest=problem.digest()), f)
+  return dict(plan_file=os.path.join(os.path.basename(folder), plan_file),
+              problem_file=os.path.join(os.path.basename(folder), problem_file))
 
 
 if __name__ == "__main__":

@@ -282,6 +282,16 @@ def _fixed_bound(problem: Problem, k: int, fixed: Mapping[int, int], anc: Sequen
   return energetic_bound(problem, k, bound, fixed)
 
 
+def fixed_bound(problem: Problem, k: int, fixed: Mapping[int, int]) -> float:
+  """A lower bound valid for every placement that agrees with `fixed` (node -> device): the
+  largest of `lower_bound` (valid for every placement) and `_fixed_bound`."""
+  anc = [0] * problem.num_nodes
+  for s, d in sorted(problem.edges, key=lambda e: e[1]):
+    anc[d] |= anc[s] | (1 << s)
+  base = lower_bound(problem, k)
+  return max(base, _fixed_bound(problem, k, fixed, anc)) if fixed else base
+
+
 def prefix_bound(
   problem: Problem,
   microbatches: int,

@@ -68,14 +68,32 @@ class CpResult:
   solve_time_s: float
 
 
-def _symmetries(problem: Problem) -> list[tuple[int, ...]]:
-  """Device permutations that leave every transfer matrix unchanged (decompose.py)."""
+def _symmetries(
+  problem: Problem, caps: Sequence[float] | None = None
+) -> list[tuple[int, ...]]:
+  """Device permutations that leave every transfer matrix AND every memory cap unchanged.
+
+  Only such a permutation maps each valid schedule to a valid schedule of the same makespan, so
+  only these may restrict where the first node goes (decompose.symmetry_group gives the link
+  symmetries; a device with a smaller cap is not interchangeable with one with a larger cap).
+
+  Returns:
+    Permutations (perm[d] is the image of device d) whose orbits are the classes of
+    interchangeable devices, the identity included.
+  """
   uniform, group = decompose.symmetry_group(problem)
-  if not uniform:
-    return group
   M = problem.devices
-  # All permutations are symmetries; the transpositions with device 0 suffice here.
-  return [tuple(b if d == 0 else 0 if d == b else d for d in range(M)) for b in range(M)]
+  cap = tuple(caps) if caps is not None else (0.0,) * M
+  if not uniform:
+    return [g for g in group if all(cap[g[d]] == cap[d] for d in range(M))]
+  # All permutations preserve the links; the transpositions (0 b), (a b) among devices of equal
+  # cap generate the permutations that also preserve the caps, and have the same orbits.
+  out = [tuple(range(M))]
+  for a in range(M):
+    for b in range(a + 1, M):
+      if cap[a] == cap[b]:
+        out.append(tuple(b if d == a else a if d == b else d for d in range(M)))
+  return out
 
 
 def _device_orbits(group: Sequence[tuple[int, ...]], devices: int) -> list[int]:
@@ -110,6 +128,7 @@ def solve(
   threads: int = 1,
   seed: int = 0,
   gap: float = 0.0,
+  deterministic_time: float | None = None,
 ) -> CpResult:
   """Searches placements and pipelined schedules from `warm` (see the module docstring).
 
@@ -125,6 +144,9 @@ def solve(
       the neighbourhood search still runs.
     seed: CP-SAT's random seed.
     gap: stop once the best schedule is within this relative gap of the bound.
+    deterministic_time: CP-SAT's deterministic time limit (`max_deterministic_time`), or None;
+      with threads=1 the search is then reproducible whatever the machine's load, as long as
+      `time_limit_s` does not stop it first.
 
   Returns:
     The best candidate (the warm start when CP-SAT finds nothing better) and the bound. When the
@@ -136,7 +158,7 @@ def solve(
   if n == 0 or horizon <= 0:
     return CpResult(candidate=warm, bound=lower_bound, status="OPTIMAL", solve_time_s=0.0)
   scale = _UNITS / horizon
-  group = _symmetries(problem)
+  group = _symmetries(problem, caps)
   reps = _device_orbits(group, M)
   hint = _relabel(warm, group, reps)
 
@@ -162,7 +184,7 @@ def solve(
     hint_assignment=list(hint.assignment),
     hint_starts=[[min(_UNITS + 1, units(v)) for v in row] for row in hint.starts],
     time_limit_s=max(0.1, time_limit_s - (time.monotonic() - t0) - _STARTUP_S),
-    threads=threads, seed=seed, gap=gap,
+    threads=threads, seed=seed, gap=gap, deterministic_time=deterministic_time,
   )
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpsat_worker.py")
   try:

@@ -3,9 +3,11 @@
 Run as a script (`python cpsat_worker.py`), JSON in on stdin, JSON out on stdout, so that OR-Tools
 never shares a process with python-mip (see cpsat.py). All times are integers (cpsat.py scales
 and rounds them down). Input fields: k, devices, durations[i], edges[e] = [src, dst],
-delays[e][a][b], horizon, lower, memory[i] and caps[d] (or null), first_devices (allowed devices of
-node 0), hint_assignment[i], hint_starts[i][c], time_limit_s, threads, seed, gap. Output: status,
-bound (CP-SAT's proven bound on C, or null), objective (its best C), assignment[i] and starts[i][c] (or null).
+delays[e][a][b], horizon, lower, memory[i] and caps[d] (or null), first_devices (allowed devices
+of node 0: one per class of devices interchangeable in links and caps), hint_assignment[i],
+hint_starts[i][c], time_limit_s, deterministic_time (or null), threads, seed, gap. Output:
+status, bound (CP-SAT's proven bound on C, or null), objective (its best C), assignment[i] and
+starts[i][c] (or null).
 """
 
 import json
@@ -88,6 +90,8 @@ def _params(solver, data, seconds, lns_only):
   params.max_time_in_seconds = max(0.05, seconds)
   params.random_seed = data["seed"]
   params.relative_gap_limit = data["gap"]
+  if data.get("deterministic_time") is not None:
+    params.max_deterministic_time = data["deterministic_time"]
   if data["threads"] <= 1:
     # One thread: interleave two subsolvers in it (the full search and the large-neighbourhood
     # searches), deterministic like a single worker. Measured on Inception-V3 (M = 4, k = 4, 45
@@ -106,7 +110,9 @@ def main():
   m, x, s = build(data)
   limit = data["time_limit_s"]
   solver = cp_model.CpSolver()
-  two_phases = data["threads"] > 1
+  # Two phases only with parallel workers, whose search races anyway; they split the limit by
+  # wall-clock time, so a deterministic time limit keeps one phase.
+  two_phases = data["threads"] > 1 and data.get("deterministic_time") is None
   _params(solver, data, limit * FULL_SEARCH_SHARE if two_phases else limit, lns_only=False)
   status = solver.solve(m)
   bound = solver.best_objective_bound

@@ -7,6 +7,9 @@ cut vertices, and a segment's best span depends only on the devices of its two c
 segment is solved by the MILP for each (entry device, exit device) pair (one pair per orbit of the
 devices' symmetry group), and a dynamic program over the device of each cut vertex combines them.
 The combination is exact; its gap is that of the segment solves (the DP of their lower bounds).
+A segment MILP too big to leave every ordering free (milp.solve's `max_free_pairs`) keeps some of
+its warm start's orderings; its own bound then holds for those orderings only, so the segment's
+lower bound is bounds.fixed_bound instead.
 """
 
 from __future__ import annotations
@@ -148,8 +151,26 @@ def solve(
   gap: float = 0.01,
   solver: str = "cbc",
   cuts: int = 0,
+  max_nodes: int | None = None,
+  evaluations: int | None = None,
+  max_free_pairs: int = 4000,
 ) -> DecompositionResult:
-  """Solves a one-micro-batch, uncapped problem segment by segment (see the module docstring)."""
+  """Solves a one-micro-batch, uncapped problem segment by segment (see the module docstring).
+
+  Args:
+    problem: the problem (one micro-batch, memory caps not binding).
+    time_limit_s: wall-clock budget of all segment solves together.
+    threads, seed, gap, solver, cuts: MILP settings (PlannerOptions).
+    max_nodes: branch-and-bound nodes of each segment solve (None: time alone).
+    evaluations: placements the warm-start annealing of a segment evaluates per (node, device)
+      pair (None: 200, and its time share may stop it first).
+    max_free_pairs: most ordering binaries per segment MILP (milp.solve). A segment solved with
+      fixed orderings only bounds the schedules that keep them; its bound is then the one of
+      bounds.fixed_bound, valid for every schedule with the segment's entry and exit devices.
+
+  Returns:
+    The assembled schedule and a valid lower bound on the optimal makespan.
+  """
   t0 = time.monotonic()
   n, M = problem.num_nodes, problem.devices
   cut_nodes = cut_vertices(problem)
@@ -192,7 +213,7 @@ def solve(
     if key in cache:
       results[(s_idx, (ra, rb))] = cache[key]
       continue
-    warm = _warm_start(sub, fixed, seed)
+    warm = _warm_start(sub, fixed, seed, evaluations)
     if uniform:
       inter = [d for d in range(M) if d not in fixed.values()]
     else:
@@ -203,10 +224,14 @@ def solve(
       sub, 1, warm=warm, fixed=fixed, interchangeable=inter,
       lower_bound=bounds_lib.lower_bound(sub, 1),
       time_limit_s=share, threads=threads, seed=seed, gap=gap, solver=solver, cuts=cuts,
+      max_nodes=max_nodes, max_free_pairs=max_free_pairs,
     )
     solves += 1
     cand = res.candidate or warm
-    out = (cand, min(res.bound, cand.makespan), res.status == "optimal")
+    # A restricted solve's bound holds only for the orderings it kept: use a bound valid for
+    # every schedule of the segment with these end devices instead.
+    lo = bounds_lib.fixed_bound(sub, 1, fixed) if res.restricted else res.bound
+    out = (cand, lo, res.status == "optimal")
     cache[key] = results[(s_idx, (ra, rb))] = out
 
   # Spans per segment and device pair: (upper, lower, candidate or None).
@@ -281,7 +306,7 @@ def solve(
            "(DP %.6g), bound %.6g, %.2fs", len(cut_nodes), len(segments), solves, cand.makespan,
            upper, lower, time.monotonic() - t0)
   return DecompositionResult(
-    candidate=cand, bound=min(lower, cand.makespan), all_optimal=all_opt,
+    candidate=cand, bound=lower, all_optimal=all_opt,
     segments=len(segments), solves=solves,
   )
 
@@ -291,7 +316,8 @@ def _trivial(a: int | None, b: int | None, nodes: Sequence[int]) -> bool:
   return (b is None and len(nodes) == 1) or (a is not None and b is not None and len(nodes) == 2)
 
 
-def _warm_start(sub: Problem, fixed: dict[int, int], seed: int) -> Candidate:
+def _warm_start(sub: Problem, fixed: dict[int, int], seed: int,
+                evaluations: int | None = None) -> Candidate:
   """The best of simple placements of a segment with fixed ends."""
   n = sub.num_nodes
   cands = []
@@ -302,4 +328,8 @@ def _warm_start(sub: Problem, fixed: dict[int, int], seed: int) -> Candidate:
   if e is not None:
     cands.append(e)
   best = min(cands, key=lambda c: c.makespan)
-  return heur.local_search(sub, 1, None, best, time_budget_s=0.05 * n, seed=seed, fixed=fixed)
+  if evaluations is None:
+    return heur.local_search(sub, 1, None, best, time_budget_s=0.05 * n, seed=seed, fixed=fixed)
+  movable = max(1, n - len(fixed))
+  return heur.local_search(sub, 1, None, best, time_budget_s=float("inf"), seed=seed, fixed=fixed,
+                           max_evaluations=evaluations * movable * sub.devices)

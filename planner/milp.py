@@ -41,7 +41,9 @@ class MilpResult:
   status: str
   # Best placement and schedule found (None when status is 'none' or 'infeasible').
   candidate: Candidate | None
-  # A lower bound on the makespan; global only when `restricted` is False.
+  # The solver's lower bound on the makespan (not clamped to the candidate's: a bound above it is
+  # a bug the caller reports); global only when `restricted` is False, else it holds only for
+  # the schedules that keep the fixed orderings.
   bound: float
   # Whether some orderings were fixed from the warm start (see PlannerOptions.max_free_pairs).
   restricted: bool
@@ -127,6 +129,7 @@ def solve(
   solver: str = "cbc",
   max_free_pairs: int = 4000,
   cuts: int = 0,
+  max_nodes: int | None = None,
 ) -> MilpResult:
   """Minimises the makespan of `problem` with k micro-batches.
 
@@ -142,6 +145,7 @@ def solve(
     threads, seed, gap, solver: solver settings (PlannerOptions).
     max_free_pairs: most ordering binaries; the rest are fixed from `warm`.
     cuts: solver cut generation (-1 automatic, 0 off).
+    max_nodes: most branch-and-bound nodes (None: the time limit alone stops the solver).
 
   Returns:
     The result; its candidate is never worse than `warm`.
@@ -311,7 +315,7 @@ def solve(
   m.start = start
 
   remaining = max(0.1, time_limit_s - (time.monotonic() - t_begin))
-  status = m.optimize(max_seconds=remaining)
+  status = m.optimize(max_seconds=remaining, **node_limit(max_nodes))
   elapsed = time.monotonic() - t_begin
   bound = m.objective_bound if m.objective_bound is not None else lower_bound
   bound = max(bound, lower_bound)
@@ -334,5 +338,10 @@ def solve(
             status.name, cand.makespan, bound, elapsed)
   return MilpResult(
     status="optimal" if optimal and cand.makespan <= bound * (1 + 1e-9) + 1e-12 else "feasible",
-    candidate=cand, bound=min(bound, cand.makespan), restricted=restricted, solve_time_s=elapsed,
+    candidate=cand, bound=bound, restricted=restricted, solve_time_s=elapsed,
   )
+
+
+def node_limit(max_nodes: int | None) -> dict[str, int]:
+  """python-mip's `optimize` keyword for a node limit, or none."""
+  return {} if max_nodes is None else {"max_nodes": int(max_nodes)}

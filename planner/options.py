@@ -29,7 +29,8 @@ class PlannerOptions:
   # k: micro-batches a worker's batch is split into (GPipe-style pipelining); all micro-batches
   # of a node run on the node's device, one after the other.
   microbatches: int = 1
-  # Wall-clock budget of the whole search (heuristics + MILP), seconds.
+  # Wall-clock budget of the whole search (heuristics + MILP), seconds; `place` returns within
+  # it plus about 5 % (solvers overrun their limits a little, and the plan is built after).
   time_limit_s: float = 60.0
   # Solver threads; 1 keeps runs reproducible.
   threads: int = 1
@@ -86,6 +87,12 @@ class PlannerOptions:
   # with 40-45 s of CP-SAT from the annealing or a heuristic instead, 0.392-0.402 s in eight
   # runs.
   cpsat_share: float = 0.75
+  # Share of the time limit, with k > 1, for the pipelined MILP that starts from the best
+  # schedule so far. Every phase of `place` gets a positive part of the time left: the time left
+  # split in proportion to the shares of the phases still to run (pipelined: prefix_share,
+  # relaxation_share, pipeline_search_share, window_search_share, cpsat_share, milp_share), so a
+  # phase that ends early passes its time on and no phase can get a negative budget.
+  milp_share: float = 0.1
   # Share of the time limit for the placement relaxation that bounds the k > 1 makespan
   # (relax.py; it usually solves in well under a second).
   relaxation_share: float = 0.15
@@ -94,7 +101,28 @@ class PlannerOptions:
   # Inception-V3: 1024 (M = 4, the five stem nodes) raise its M = 4, k = 4 bound by 3.5 % in 1.6 s.
   prefix_assignments: int = 1024
   # Share of the time limit the prefix enumeration may take; past it the bound is not used.
-  prefix_share: float = 0.1
+  # (0.1 of a 20 s limit ran out on Inception-V3, M = 4, on a busy 2-core machine.)
+  prefix_share: float = 0.15
+
+  # Work limits, for results that do not depend on the machine's load (tests set them, with a
+  # time limit far above what the work takes); None leaves that phase stopped by its time share.
+  # Each CP-SAT run's deterministic time limit (CP-SAT's `max_deterministic_time`, in its own
+  # work units). With threads=1 CP-SAT's search is then reproducible (its two subsolvers are
+  # interleaved in one thread); with more threads its workers race each other.
+  cpsat_deterministic_time: float | None = None
+  # Branch-and-bound nodes of each CBC/HiGHS solve (the relaxation, each decomposition block and
+  # the pipelined MILP), python-mip's `max_nodes`.
+  milp_max_nodes: int | None = None
+  # Placements each annealing run evaluates per (node, device) pair (heuristics.local_search);
+  # None: 20 with one micro-batch, 5000 with k > 1, and the time share ends the run.
+  search_evaluations: int | None = None
+
+  @property
+  def work_limited(self) -> bool:
+    """Whether some phase is stopped by a work limit (then the prefix enumeration of
+    bounds.prefix_bound is not stopped by the clock either)."""
+    return (self.cpsat_deterministic_time is not None or self.milp_max_nodes is not None
+            or self.search_evaluations is not None)
 
   def __post_init__(self):
     if not isinstance(self.devices, int) or self.devices < 1:
@@ -112,7 +140,7 @@ class PlannerOptions:
     if self.method not in METHODS:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
-                 "relaxation_share", "prefix_share", "cpsat_share"):
+                 "relaxation_share", "prefix_share", "cpsat_share", "milp_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:
@@ -125,6 +153,10 @@ class PlannerOptions:
       )
     if not isinstance(self.search_chains, int) or self.search_chains < 1:
       raise ValueError(f"search_chains={self.search_chains!r}: use an integer >= 1.")
+    for name in ("cpsat_deterministic_time", "milp_max_nodes", "search_evaluations"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"{name}={value!r}: use a positive limit, or None for none.")
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import cpsat, decompose, milp, relax
@@ -32,9 +32,16 @@ from jaxhybrid.planner.problem import Problem
 
 log = logging.getLogger(__name__)
 
-# Seconds kept back from the MILP's limit: CBC overruns its limit by up to ~1 s on the paper's
-# graphs, and the plan is built after it returns.
+# Seconds kept back from the time limit, at most (and at most _RESERVE_SHARE of it): CBC overruns
+# its limit by up to ~1 s on the paper's graphs, and the plan is built after it returns.
 _CLEANUP_S = 1.5
+_RESERVE_SHARE = 0.03
+# Least seconds a phase is given, even when the others have used up the time.
+_MIN_PHASE_S = 0.05
+# A lower bound above the makespan by less than this (relative, absolute) is rounding (solver
+# tolerances, CP-SAT's integer times), not an error.
+_BOUND_RTOL = 1e-7
+_BOUND_ATOL = 1e-12
 # Placements the k = 1 local search evaluates per (node, device) pair: it only warm-starts the
 # exact decomposition, so a short anneal suffices.
 _K1_EVALUATIONS = 20
@@ -105,8 +112,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     InfeasibleError: memory caps cannot be met (the message says by how much).
     ValueError: options.devices differs from problem.devices.
   """
-  t0 = time.monotonic()
   opts = options or PlannerOptions(devices=problem.devices)
+  clock = _Clock(opts.time_limit_s)
   if opts.devices != problem.devices:
     raise ValueError(
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
@@ -118,10 +125,24 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   _check_memory(problem, k, caps)
   # The MILP with k > 1 micro-batches on several devices: bounds and searches for pipelines.
   pipelined = opts.method == "milp" and k > 1 and problem.devices > 1
-  lower = bounds_lib.lower_bound(problem, k)
+  binding = caps is not None and sum(problem.memory_bytes(k)) > min(caps)
+  decomposed = opts.method == "milp" and k == 1 and not binding and opts.decompose
+  # Phases still to run, with their weights in the split of the time left (_Clock.share).
+  # (Phases that do not run here weigh 0.)
+  phases = {
+    "prefix": opts.prefix_share if pipelined else 0.0,
+    "relaxation": opts.relaxation_share if pipelined else 0.0,
+    "annealing": opts.local_search_share if k == 1 else opts.pipeline_search_share,
+    "window": opts.window_search_share if k > 1 else 0.0,
+    "cpsat": opts.cpsat_share if pipelined else 0.0,
+    "milp": opts.milp_share if pipelined else 1.0 - opts.local_search_share,
+  }
+  proven = {"analytic": bounds_lib.lower_bound(problem, k)}  # name -> a proven lower bound
+  lower = proven["analytic"]
   if pipelined:
-    lower = bounds_lib.prefix_bound(
-      problem, k, lower, opts.prefix_assignments, opts.time_limit_s * opts.prefix_share
+    proven["prefix"] = lower = bounds_lib.prefix_bound(
+      problem, k, lower, opts.prefix_assignments,
+      None if opts.work_limited else clock.share("prefix", phases),
     )
 
   # Heuristics (baselines, warm start, fallback).
@@ -134,47 +155,31 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
         found[name] = cand
   # k > 1 with the MILP: the placement relaxation raises the bound and seeds the local search.
   seeds = list(found.values())
-  relaxation = None
   if pipelined:
     relaxation = relax.solve(
-      problem, k, caps=caps, lower_bound=lower, time_limit_s=opts.time_limit_s *
-      opts.relaxation_share, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+      problem, k, caps=caps, lower_bound=lower, time_limit_s=clock.share("relaxation", phases),
+      threads=opts.threads, seed=opts.seed, solver=opts.solver, max_nodes=opts.milp_max_nodes,
     )
     if relaxation.bound == float("inf"):
       raise InfeasibleError(
         f"No placement fits the memory caps {caps} (per-device bytes) with {k} micro-batches; "
         "raise the caps or use fewer micro-batches."
       )
+    proven["relaxation"] = relaxation.bound
     lower = max(lower, relaxation.bound)
     if relaxation.assignment is not None:
       seeds.append(heur.evaluate(problem, relaxation.assignment, k))
   if opts.method in ("milp", "local") and seeds:
-    seed_cand = min(seeds, key=lambda c: c.makespan)
-    share = opts.local_search_share if k == 1 else opts.pipeline_search_share
-    chains = 1 if k == 1 else opts.search_chains
     target = lower * (1 + opts.gap) if opts.method == "milp" else 0.0
-    local = seed_cand
-    for chain in range(chains):  # independent annealing runs from the best seed
-      cand = heur.local_search(
-        problem, k, caps, seed_cand, opts.time_limit_s * share / chains, seed=opts.seed + chain,
-        target=target, max_evaluations=(_K1_EVALUATIONS if k == 1 else _PIPELINE_EVALUATIONS)
-        * problem.num_nodes * problem.devices,
-      )
-      local = cand if cand.makespan < local.makespan else local
-      if local.makespan <= target:
-        break
-    if k > 1 and local.makespan > target and opts.window_search_share > 0:
-      local = heur.window_search(
-        problem, k, caps, local, opts.time_limit_s * opts.window_search_share,
-        max_window_placements=opts.max_window_placements, target=target,
-      )
-    found["local"] = local
+    found["local"] = local = _anneal(problem, opts, clock, phases, seeds[:len(found)], seeds,
+                                     target)
     if pipelined and opts.cpsat_share > 0 and local.makespan > target:
       found_cp = cpsat.solve(
         problem, k, warm=local, caps=caps, lower_bound=lower,
-        time_limit_s=opts.time_limit_s * opts.cpsat_share, threads=opts.threads, seed=opts.seed,
-        gap=opts.gap,
+        time_limit_s=clock.share("cpsat", phases), threads=opts.threads, seed=opts.seed,
+        gap=opts.gap, deterministic_time=opts.cpsat_deterministic_time,
       )
+      proven["cpsat"] = found_cp.bound
       lower = max(lower, found_cp.bound)
       found["cpsat"] = found_cp.candidate
   if not found:
@@ -187,53 +192,54 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   best_name = min(found, key=lambda n: found[n].makespan)
   best = found[best_name]
 
-  method, solver, status, bound = opts.method, "none", "heuristic", lower
+  method, solver, status = opts.method, "none", "heuristic"
   found_by = best_name
   if opts.method != "milp":
     best = found[opts.method]
     found_by = opts.method
   else:
     solver = opts.solver
-    left = opts.time_limit_s - (time.monotonic() - t0)
-    binding = caps is not None and sum(problem.memory_bytes(k)) > min(caps)
-    if k == 1 and not binding and opts.decompose:
+    if decomposed:
       dec = decompose.solve(
-        problem, time_limit_s=left, threads=opts.threads, seed=opts.seed, gap=opts.gap,
-        solver=opts.solver, cuts=opts.cuts,
+        problem, time_limit_s=clock.share("milp", phases), threads=opts.threads, seed=opts.seed,
+        gap=opts.gap, solver=opts.solver, cuts=opts.cuts, max_nodes=opts.milp_max_nodes,
+        evaluations=opts.search_evaluations, max_free_pairs=opts.max_free_pairs,
       )
-      bound = max(bound, dec.bound)
+      proven["decomposition"] = dec.bound
+      lower = max(lower, dec.bound)
       if dec.candidate.makespan <= best.makespan:
         best, found_by = dec.candidate, "milp"
       status = "optimal" if dec.all_optimal else "feasible"
-    elif best.makespan <= bound * (1 + opts.gap):
+    elif best.makespan <= lower * (1 + opts.gap):
       # The bound already proves the warm start optimal within the tolerance: the MILP could
       # only confirm it.
       status = "optimal"
       log.info("warm start %.6g within gap %.3g of the bound %.6g; MILP skipped", best.makespan,
-               opts.gap, bound)
+               opts.gap, lower)
     else:
       sym, _ = decompose.symmetry_group(problem)
       equal_caps = caps is None or len(set(caps)) == 1
+      limit = clock.share("milp", phases)
       result = milp.solve(
         problem, k, warm=best, caps=caps,
         interchangeable=range(problem.devices) if sym and equal_caps else (),
-        lower_bound=bound, time_limit_s=max(0.1, left - _CLEANUP_S), threads=opts.threads,
-        seed=opts.seed, gap=opts.gap, solver=opts.solver, max_free_pairs=opts.max_free_pairs,
-        cuts=opts.cuts,
+        lower_bound=lower, time_limit_s=limit, threads=opts.threads, seed=opts.seed,
+        gap=opts.gap, solver=opts.solver, max_free_pairs=opts.max_free_pairs, cuts=opts.cuts,
+        max_nodes=opts.milp_max_nodes,
       )
       if result.candidate is None:
         log.warning("The MILP found no incumbent (%s) in %.1fs; returning the best heuristic "
-                    "(%s).", result.status, left, best_name)
+                    "(%s).", result.status, limit, best_name)
         status = "heuristic"
       else:
         if result.candidate.makespan < best.makespan:
           found_by = "milp"
         best = result.candidate
         status = result.status
-        if not result.restricted:
-          bound = max(bound, result.bound)
+        if not result.restricted:  # a restricted MILP's bound holds for its orderings only
+          proven["milp"] = result.bound
   makespan = best.makespan
-  bound = min(bound, makespan)
+  bound = audited_bound(proven, makespan)
   gap = (makespan - bound) / makespan if makespan > 0 else 0.0
   # 'optimal' means optimal within the gap tolerance, as solvers report it.
   if status in ("optimal", "feasible"):
@@ -256,10 +262,100 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     solver=solver,
     status=status,
     gap=gap,
-    solve_time_s=time.monotonic() - t0,
+    solve_time_s=clock.elapsed(),
     heuristics=heuristics,
     found_by=found_by,
     graph_fingerprint=problem.fingerprint,
     cost_source=problem.cost_source,
     hardware=problem.hardware,
   )
+
+
+def _anneal(
+  problem: Problem,
+  opts: PlannerOptions,
+  clock: _Clock,
+  phases: dict[str, float],
+  heuristics: list[heur.Candidate],
+  seeds: list[heur.Candidate],
+  target: float,
+) -> heur.Candidate:
+  """Simulated annealing (`search_chains` runs with k > 1), then, with k > 1 and a window share,
+  the window descent: the `local` candidate.
+
+  The first run starts from the best of `heuristics` (a plain annealing of the problem, which the
+  plan is therefore never worse than), the others from the best of `seeds` (the heuristics and
+  the relaxation's placement), with seeds opts.seed, opts.seed + 1, ...
+  """
+  k, caps = opts.microbatches, opts.caps()
+  chains = 1 if k == 1 else opts.search_chains
+  per_pair = opts.search_evaluations or (_K1_EVALUATIONS if k == 1 else _PIPELINE_EVALUATIONS)
+  budget = clock.share("annealing", phases)
+  plain = min(heuristics or seeds, key=lambda c: c.makespan)
+  local = best_seed = min(seeds, key=lambda c: c.makespan)
+  for chain in range(chains):  # independent annealing runs
+    cand = heur.local_search(
+      problem, k, caps, best_seed if chain else plain, budget / chains, seed=opts.seed + chain,
+      target=target,
+      max_evaluations=per_pair * problem.num_nodes * problem.devices,
+    )
+    local = cand if cand.makespan < local.makespan else local
+    if local.makespan <= target:
+      break
+  if k > 1 and local.makespan > target and opts.window_search_share > 0:
+    local = heur.window_search(
+      problem, k, caps, local, clock.share("window", phases),
+      max_window_placements=opts.max_window_placements, target=target,
+    )
+  return local
+
+
+def audited_bound(proven: Mapping[str, float], makespan: float) -> float:
+  """The largest of the `proven` lower bounds that a schedule of length `makespan` does not
+  refute.
+
+  A lower bound above the makespan of a schedule that exists is wrong: it is logged at ERROR
+  level, with the bound's name in the log record's `planner_bound_error` attribute (tests count
+  those records), and left out. Within _BOUND_RTOL of the makespan the excess is the solvers'
+  rounding, and the makespan is returned.
+
+  Args:
+    proven: name of the bound (e.g. 'relaxation', 'cpsat') -> its value in seconds.
+    makespan: the makespan of the returned schedule.
+
+  Returns:
+    The bound, at most `makespan`.
+  """
+  valid = []
+  for name, value in proven.items():
+    if value > makespan * (1 + _BOUND_RTOL) + _BOUND_ATOL:
+      log.error("The %s lower bound %.9g is above a schedule of makespan %.9g: a planner bug; "
+                "the bound is not used.", name, value, makespan,
+                extra={"planner_bound_error": name})
+    else:
+      valid.append(min(value, makespan))
+  return max(valid, default=0.0)
+
+
+class _Clock:
+  """The time left of `place` and its split between the phases still to run."""
+
+  def __init__(self, limit_s: float):
+    self._t0 = time.monotonic()
+    # The phases end by the limit less a reserve for the solvers' overrun and the plan's
+    # construction.
+    self._deadline = self._t0 + limit_s - min(_CLEANUP_S, _RESERVE_SHARE * limit_s)
+
+  def elapsed(self) -> float:
+    return time.monotonic() - self._t0
+
+  def share(self, phase: str, phases: dict[str, float]) -> float:
+    """Seconds for `phase`: the time left split in proportion to the weights of `phase` and of
+    the phases after it in `phases` (which loses `phase` and those before it). Positive."""
+    names = list(phases)
+    rest = names[names.index(phase):]
+    weight, total = phases[phase], sum(phases[n] for n in rest)
+    for n in names[:names.index(phase) + 1]:
+      del phases[n]
+    left = max(0.0, self._deadline - time.monotonic())
+    return max(_MIN_PHASE_S, left * weight / total if total > 0 else left)

@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+from planner_pipeline_test import EXACT
 from planner_test import _brute_force
 
 from jaxhybrid.planner import bounds, milp, relax
@@ -31,7 +32,7 @@ def test_bounds_never_exceed_the_brute_force_optimum(seed, n, k, devices):
   prob = _chain_heavy_links(300 + seed, n, devices)
   best = _brute_force(prob, k)
   assert bounds.lower_bound(prob, k) <= best + 1e-9
-  assert relax.solve(prob, k).bound <= best + 1e-9
+  assert relax.solve(prob, k, **EXACT).bound <= best + 1e-9
 
 
 def test_precedence_cuts_raise_the_relaxation_to_the_optimum():
@@ -39,8 +40,8 @@ def test_precedence_cuts_raise_the_relaxation_to_the_optimum():
   # work a device must do after (i, 0) or before (i, k - 1) proves the brute-force optimum.
   prob = _chain_heavy_links(316, 4, 2)
   best = _brute_force(prob, 2)
-  assert relax.solve(prob, 2, ordered=False).bound == pytest.approx(8.305, abs=1e-3)
-  assert relax.solve(prob, 2).bound == pytest.approx(best, rel=1e-6)
+  assert relax.solve(prob, 2, ordered=False, **EXACT).bound == pytest.approx(8.305, abs=1e-3)
+  assert relax.solve(prob, 2, **EXACT).bound == pytest.approx(best, rel=1e-6)
   assert best == pytest.approx(8.706, abs=1e-3)
 
 
@@ -130,7 +131,8 @@ def test_place_uses_the_prefix_bound_for_pipelines(monkeypatch):
 
   monkeypatch.setattr(milp, "solve", no_milp)
   prob = _chain_heavy_links(300, 4, 2)
-  opts = PlannerOptions(devices=2, microbatches=2, time_limit_s=5.0, prefix_assignments=16)
+  opts = PlannerOptions(devices=2, microbatches=2, time_limit_s=300.0, prefix_assignments=16,
+                        milp_max_nodes=20_000, search_evaluations=50, cpsat_deterministic_time=5.0)
   plan = place_problem(prob, opts)
   assert plan.lower_bound_s == pytest.approx(_brute_force(prob, 2), abs=1e-9)
   assert plan.predicted_step_s == pytest.approx(plan.lower_bound_s, abs=1e-9)

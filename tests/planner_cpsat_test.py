@@ -17,6 +17,11 @@ from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
 
+# One thread (two subsolvers interleaved: reproducible) stopped by CP-SAT's deterministic time,
+# with a wall-clock limit far above what that takes.
+DETERMINISTIC = dict(time_limit_s=300.0, threads=1, deterministic_time=5.0)
+
+
 def _check(prob: Problem, cand: heur.Candidate, k: int, caps=None) -> None:
   tasks = sched.to_tasks(prob, cand.assignment, [list(r) for r in cand.starts])
   planner.validate_schedule(prob, cand.assignment, tasks, k, caps)
@@ -27,7 +32,7 @@ def _check(prob: Problem, cand: heur.Candidate, k: int, caps=None) -> None:
 def test_cpsat_equals_brute_force_two_microbatches(seed):
   prob = _random_problem(200 + seed, n=3)
   warm = heur.single(prob, 2, None)
-  got = cpsat.solve(prob, 2, warm=warm, time_limit_s=20.0, threads=1)
+  got = cpsat.solve(prob, 2, warm=warm, **DETERMINISTIC)
   want = _brute_force(prob, 2)
   _check(prob, got.candidate, 2)
   assert got.status == "OPTIMAL"
@@ -52,7 +57,7 @@ def test_cpsat_equals_brute_force_with_device_dependent_links(seed, links):
       for row in base.transfer_s))
     assert cpsat._device_orbits(cpsat._symmetries(prob), 3) == [0, 1]
   warm = heur.interleaved(prob, 2, None)
-  got = cpsat.solve(prob, 2, warm=warm, time_limit_s=20.0, threads=1)
+  got = cpsat.solve(prob, 2, warm=warm, **DETERMINISTIC)
   want = _optimum_any_links(prob, 2)
   _check(prob, got.candidate, 2)
   assert got.candidate.makespan == pytest.approx(want, rel=1e-6)
@@ -64,7 +69,7 @@ def test_cpsat_improves_a_pipeline_and_respects_memory_caps():
   prob = dataclasses.replace(base, static_bytes=(10,) * base.num_nodes)
   caps = (90.0, 90.0)  # at most 9 of the 15 nodes per device
   warm = heur.interleaved(prob, 4, caps)
-  got = cpsat.solve(prob, 4, warm=warm, caps=caps, time_limit_s=3.0, threads=1)
+  got = cpsat.solve(prob, 4, warm=warm, caps=caps, **{**DETERMINISTIC, "deterministic_time": 0.3})
   _check(prob, got.candidate, 4, caps)
   assert got.status in ("OPTIMAL", "FEASIBLE")
   assert got.candidate.makespan < warm.makespan
@@ -105,7 +110,8 @@ def test_a_failing_child_process_keeps_the_warm_start(monkeypatch, caplog):
 
 def test_place_runs_the_cpsat_search_before_the_milp():
   prob = _inception_like(blocks=3, devices=2, seed=1)
-  opts = dict(devices=2, microbatches=4, time_limit_s=3.0, threads=1, gap=0.0)
+  opts = dict(devices=2, microbatches=4, time_limit_s=300.0, threads=1, gap=0.0,
+              cpsat_deterministic_time=0.3, milp_max_nodes=50, search_evaluations=20)
   plan = planner.place_problem(prob, planner.PlannerOptions(**opts))
   assert "cpsat" in plan.heuristics
   assert plan.predicted_step_s <= plan.heuristics["cpsat"] + 1e-12

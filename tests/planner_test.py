@@ -14,7 +14,10 @@ from jaxhybrid.planner import milp
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
-FAST = dict(time_limit_s=20.0, threads=1, gap=0.0)
+# Every phase stops by a work limit, not the clock, so results do not depend on the machine's
+# load; the time limit is only a safety net far above what the work takes here.
+FAST = dict(time_limit_s=300.0, threads=1, gap=0.0, cpsat_deterministic_time=5.0,
+            milp_max_nodes=20_000, search_evaluations=50)
 
 
 def _place(prob: Problem, **kw) -> planner.Plan:
@@ -183,13 +186,17 @@ def test_decomposition_is_exact_against_the_monolithic_milp():
   assert dec.predicted_speedup > 1.2
 
 
-def test_time_limit_is_respected_and_incumbent_returned():
-  prob = _inception_like(blocks=6, devices=2)
-  plan = _place(prob, microbatches=4, time_limit_s=3.0, gap=0.0, max_free_pairs=3000)
-  assert plan.solve_time_s < 3.0 + 3.0  # model building and cleanup overrun a little
-  # An incumbent of the MILP, or (when the solver had no time to load one) the best heuristic.
-  assert plan.status in ("optimal", "feasible", "heuristic")
+def test_work_limits_return_the_incumbent_with_an_honest_gap():
+  # A node limit far too small to close the gap and a MILP restricted to its warm start's
+  # orderings (whose bound is not used): the plan is the incumbent, never worse than the
+  # heuristics, with a proven bound (planner_honest_test checks the time budgets).
+  prob = _inception_like(blocks=4, devices=2)
+  plan = _place(prob, microbatches=4, max_free_pairs=300, milp_max_nodes=5,
+                cpsat_deterministic_time=0.2)
+  assert plan.status in ("optimal", "feasible")
   assert 0 <= plan.gap < 0.2
+  assert plan.gap == pytest.approx((plan.predicted_step_s - plan.lower_bound_s)
+                                   / plan.predicted_step_s)
 
 
 def test_heuristic_methods_and_bounds():
@@ -209,7 +216,7 @@ def test_heuristic_methods_and_bounds():
 
 def test_json_round_trip_is_exact(tmp_path):
   prob = _inception_like(blocks=1, devices=2)
-  plan = _place(prob, microbatches=2, gap=0.05, time_limit_s=5)
+  plan = _place(prob, microbatches=2, gap=0.05)
   again = planner.Plan.from_json(plan.to_json())
   assert again == plan
   assert again.to_json() == plan.to_json()
@@ -278,7 +285,7 @@ def _graph_and_costs():
 
 def test_place_reads_graph_and_costs(tmp_path):
   graph, costs = _graph_and_costs()
-  plan = planner.place(graph, costs, devices=2, time_limit_s=10)
+  plan = planner.place(graph, costs, devices=2, **FAST)
   assert plan.graph_fingerprint == "fp123"
   assert (plan.cost_source, plan.hardware) == ("analytic", "toy-gpu")
   assert plan.node_names == ("stem", "a", "b", "head")
