@@ -106,18 +106,31 @@ def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b"):
 @pytest.mark.parametrize(
   "mesh_spec,k,planner,schedule",
   [
-    ("1x1", 1, "milp", "1f1b"), ("2x1", 2, "etf", "zb"), ("1x2", 2, "milp", "1f1b"),
-    ("1x2", 1, "etf", "gpipe"), ("2x2", 2, "milp", "zb"), ("2x2", 2, "dp", "gpipe"),
-    ("4x2", 1, "etf", "1f1b"), ("4x2", 2, "milp", "1f1b"),
+    ("2x1", 2, "etf", "zb"), ("1x2", 2, "milp", "1f1b"), ("1x2", 1, "etf", "gpipe"),
+    ("2x2", 2, "milp", "zb"), ("4x2", 2, "milp", "1f1b"),
   ],
 )
 def test_sequence_models_match_reference(name, mesh_spec, k, planner, schedule):
   check(name, mesh_spec, k, planner, schedule=schedule)
 
 
+# The same matrix's remaining cases (GNMT's compile 25-70 s each): under the slow marker.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gnmt", "biglstm"])
 @pytest.mark.parametrize(
   "mesh_spec,k,planner,schedule",
-  [("2x2", 1, "milp", "1f1b"), ("1x2", 2, "etf", "zb"), ("1x2", 2, "dp", "gpipe")],
+  [("1x1", 1, "milp", "1f1b"), ("2x2", 2, "dp", "gpipe"), ("4x2", 1, "etf", "1f1b")],
+)
+def test_sequence_models_match_reference_more(name, mesh_spec, k, planner, schedule):
+  check(name, mesh_spec, k, planner, schedule=schedule)
+
+
+# Inception's task-scheduled program compiles slowly on CPU (130-200 s per case): one case in
+# the default run, the others under the slow marker.
+@pytest.mark.parametrize(
+  "mesh_spec,k,planner,schedule",
+  [pytest.param("2x2", 1, "milp", "1f1b", marks=pytest.mark.slow),
+   pytest.param("1x2", 2, "etf", "zb", marks=pytest.mark.slow), ("1x2", 2, "dp", "gpipe")],
 )
 def test_inception_matches_reference(mesh_spec, k, planner, schedule):
   check("inception_v3", mesh_spec, k, planner, max_nodes=16, schedule=schedule)
