@@ -40,24 +40,10 @@ def _chain_setup(width: int, layers: int, batch: int):
   import optax
   from flax import nnx
 
-  class Chain(nnx.Module):
-    """input -> `layers` x (Linear width x width, tanh) -> head."""
+  import chain_model  # experiments/ (the script's folder)
 
-    def __init__(self, *, rngs: nnx.Rngs):
-      self.inp = nnx.Linear(16, width, rngs=rngs)
-      self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-      self.head = nnx.Linear(width, 16, rngs=rngs)
-
-    def __call__(self, x):
-      h = self.inp(x)
-      for layer in self.layers:
-        h = jnp.tanh(layer(h))
-      return self.head(h)
-
-  def loss(m, b):
-    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
-
-  model = nnx.eval_shape(lambda: Chain(rngs=nnx.Rngs(0)))
+  loss = chain_model.loss_fn
+  model = nnx.eval_shape(lambda: chain_model.make(width, layers, 16, nnx.Rngs(0)))
   spec = {"x": jax.ShapeDtypeStruct((batch, 16), jnp.float32),
           "y": jax.ShapeDtypeStruct((batch, 16), jnp.float32)}
 

@@ -53,6 +53,7 @@ if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver
 
   localcluster.worker_setup()
 
+import chain_model  # experiments/ (the script's folder)
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
@@ -145,43 +146,21 @@ def _timeit(fn, state, batch, steps, warmup):
 
 
 class _ChainSpec:
-  """A uniform 8-layer chain with the registry spec's interface (make, loss_fn, synthetic_batch)."""
+  """The uniform chain (chain_model.py) with the registry spec's interface."""
 
-  width, layers = 1024, 8
+  width, layers, features = 1024, 8, 64
 
   def make(self, rngs):
-    import jax.numpy as jnp
-    from flax import nnx
+    return chain_model.make(self.width, self.layers, self.features, rngs)
 
-    width, layers = self.width, self.layers
+  loss_fn = staticmethod(chain_model.loss_fn)
 
-    class Chain(nnx.Module):
-      def __init__(self, *, rngs):
-        self.inp = nnx.Linear(64, width, rngs=rngs)
-        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-        self.head = nnx.Linear(width, 64, rngs=rngs)
-
-      def __call__(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-          h = jnp.tanh(layer(h))
-        return self.head(h)
-
-    return Chain(rngs=rngs)
-
-  @staticmethod
-  def loss_fn(m, b):
-    import jax.numpy as jnp
-
-    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
-
-  @staticmethod
-  def synthetic_batch(seed, n):
+  def synthetic_batch(self, seed, n):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(n, 64)).astype(np.float32),
-            "y": rng.normal(size=(n, 64)).astype(np.float32)}
+    return {"x": rng.normal(size=(n, self.features)).astype(np.float32),
+            "y": rng.normal(size=(n, self.features)).astype(np.float32)}
 
 
 def _model(name):
