@@ -119,6 +119,18 @@ def depths(
   return out
 
 
+def _adjacency(
+  num_nodes: int, edges: Sequence[tuple[int, int]]
+) -> tuple[list[list[int]], list[list[int]]]:
+  """Per node, its predecessors and its successors."""
+  preds: list[list[int]] = [[] for _ in range(num_nodes)]
+  succs: list[list[int]] = [[] for _ in range(num_nodes)]
+  for s, t in edges:
+    preds[t].append(s)
+    succs[s].append(t)
+  return preds, succs
+
+
 def _topo(num_nodes: int, edges: Sequence[tuple[int, int]]) -> list[int]:
   indeg = [0] * num_nodes
   succs: list[list[int]] = [[] for _ in range(num_nodes)]
@@ -194,11 +206,7 @@ def generate(
   split = kind == "zb"
   f = list(forward_s) if forward_s is not None else [1.0] * num_nodes
   f = [max(float(x), 1e-12) for x in f]
-  preds: list[list[int]] = [[] for _ in range(num_nodes)]
-  succs: list[list[int]] = [[] for _ in range(num_nodes)]
-  for s, t in edges:
-    preds[t].append(s)
-    succs[s].append(t)
+  preds, succs = _adjacency(num_nodes, edges)
   topo = {n: i for i, n in enumerate(_topo(num_nodes, edges))}
   fprio = {(n, c): (c, topo[n]) for n in range(num_nodes) for c in range(microbatches)}
   if order is not None:
@@ -334,11 +342,7 @@ def validate(
       f"the schedule misses {len(missing)} task(s), e.g. {tuple(min(missing))}: "
       "a schedule for another plan or micro-batch count"
     )
-  preds: list[list[int]] = [[] for _ in range(num_nodes)]
-  succs: list[list[int]] = [[] for _ in range(num_nodes)]
-  for s, t in edges:
-    preds[t].append(s)
-    succs[s].append(t)
+  preds, succs = _adjacency(num_nodes, edges)
   # Lock-step feasibility: each device's order plus the dependencies must be acyclic.
   pos = {op: p for op, (_, p) in seen.items()}
   nxt = [0] * len(schedule.devices)
@@ -376,11 +380,7 @@ def timeline(
   W of split schedules). No transfer delays: a sketch of the order, for charts.
   """
   n = len(node_s)
-  preds: list[list[int]] = [[] for _ in range(n)]
-  succs: list[list[int]] = [[] for _ in range(n)]
-  for s, t in edges:
-    preds[t].append(s)
-    succs[s].append(t)
+  preds, succs = _adjacency(n, edges)
 
   def dur(op: Op) -> float:
     f = forward_share * node_s[op.node]

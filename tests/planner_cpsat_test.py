@@ -16,7 +16,6 @@ from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
-
 # One thread (two subsolvers interleaved: reproducible) stopped by CP-SAT's deterministic time,
 # with a wall-clock limit far above what that takes.
 DETERMINISTIC = dict(time_limit_s=300.0, threads=1, deterministic_time=5.0)

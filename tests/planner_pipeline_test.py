@@ -11,7 +11,6 @@ from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.problem import Problem
 
-
 # The relaxation solved to optimality (a node limit far above what these tiny models need, and a
 # time limit far above what that takes): the results do not depend on the machine's load.
 EXACT = dict(time_limit_s=300.0, max_nodes=100_000)

@@ -229,17 +229,16 @@ def test_exchanges_match_reference_with_one_permute_per_direction(mesh_spec, k):
   assert prog.lower(ts, batch).as_text().count("collective_permute") == len(messages)
 
 
-def _conditional_output_bytes(prog, params, batch):
-  """Bytes the step's conditionals return (their zero-filled outputs and residuals included)."""
+def cond_output_bytes(prog, params, batch):
+  """Per `cond` of the traced step, in order: bytes of all its outputs."""
   ts = prog.init_state(jax.tree.leaves(params))
   closed = jax.make_jaxpr(prog.step_fn())(ts, prog.shard_batch(batch))
-  total = 0
+  found = []
 
   def walk(jaxpr):
-    nonlocal total
     for e in jaxpr.eqns:
       if e.primitive.name == "cond":
-        total += sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in e.outvars)
+        found.append(sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in e.outvars))
       for p in e.params.values():
         for q in p if isinstance(p, (list, tuple)) else [p]:
           if hasattr(q, "eqns"):
@@ -248,7 +247,12 @@ def _conditional_output_bytes(prog, params, batch):
             walk(q.jaxpr)
 
   walk(closed.jaxpr)
-  return total
+  return found
+
+
+def _conditional_output_bytes(prog, params, batch):
+  """Bytes the step's conditionals return, all of them together."""
+  return sum(cond_output_bytes(prog, params, batch))
 
 
 @pytest.mark.parametrize("policy", ["dots", "full"])

@@ -13,7 +13,13 @@ import optax
 import pytest
 import toy
 from flax import nnx
-from program_test import _exchange_tower, assert_matches_reference, build, split_lstm
+from program_test import (
+  _exchange_tower,
+  assert_matches_reference,
+  build,
+  cond_output_bytes,
+  split_lstm,
+)
 
 from jaxhybrid.planner import task_schedule
 from jaxhybrid.program import executor
@@ -71,27 +77,6 @@ def test_tied_weights_and_towers_every_schedule(schedule, mesh_spec):
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
-def _cond_outputs(prog, params, batch):
-  """Per `cond` of the traced step, in order: bytes of all its outputs."""
-  ts = prog.init_state(jax.tree.leaves(params))
-  closed = jax.make_jaxpr(prog.step_fn())(ts, prog.shard_batch(batch))
-  found = []
-
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == "cond":
-        found.append(sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in e.outvars))
-      for p in e.params.values():
-        for q in p if isinstance(p, (list, tuple)) else [p]:
-          if hasattr(q, "eqns"):
-            walk(q)
-          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
-            walk(q.jaxpr)
-
-  walk(closed.jaxpr)
-  return found
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_conditionals_return_the_union_not_the_sum(schedule):
   """Each group's conditional returns one buffer per dtype sized by the largest device's part."""
@@ -109,7 +94,7 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
     b + sum(n * np.dtype(dt).itemsize for dt, (n, _) in (w or {}).items())
     for b, w in zip(per_group, windows)
   ]
-  assert [b for b in _cond_outputs(prog, p, batch) if b] == [b for b in want if b]
+  assert [b for b in cond_output_bytes(prog, p, batch) if b] == [b for b in want if b]
   union_smaller = 0
   for g, lay in enumerate(st.groups):
     by_dev = {}
