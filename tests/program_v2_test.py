@@ -91,8 +91,8 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
   # The conditional also returns the group's gradient window (one node's parameter gradients).
   windows = executor.gradient_windows(st, prog.graph, prog.layout)
   want = [
-    b + sum(n * np.dtype(dt).itemsize for dt, (n, _) in (w or {}).items())
-    for b, w in zip(per_group, windows)
+    b + sum(w.nbytes for w in (ws or []))
+    for b, ws in zip(per_group, windows)
   ]
   assert [b for b in cond_output_bytes(prog, p, batch) if b] == [b for b in want if b]
   union_smaller = 0
@@ -246,3 +246,31 @@ def test_dry_run_reports_memory_without_allocating(tmp_path):
   with pytest.raises(runner.errors.UsageError, match="--schedule='fast'"):
     dry_run.run(runner.RunConfig(model="gnmt", size="tiny", mesh="1x2", schedule="fast",
                                  dry_run=True, workdir=str(tmp_path / "bad")))
+
+
+@pytest.mark.parametrize("schedule,mesh_spec", [("1f1b", "1x2"), ("zb", "2x2")])
+def test_one_window_per_leaf_matches_reference(monkeypatch, schedule, mesh_spec):
+  """With every touched leaf in a window of its own (the rule for leaves >= WINDOW_SPLIT_BYTES,
+  forced here for all), the step still equals the reference, and a device's window that holds
+  one unclamped leaf is exactly that leaf's length (returned as it is: no concatenation)."""
+  monkeypatch.setattr(executor, "WINDOW_SPLIT_BYTES", 0)
+  model = toy.LSTMNet(rngs=nnx.Rngs(0))
+  batch = toy.lstm_batch(16)
+  opt = optax.adam(1e-2)
+  prog, p, s, pure = build(
+    model, toy.lstm_loss, batch, mesh_spec, split_lstm, 2, opt, schedule=schedule
+  )
+  lay = prog.layout
+  all_windows = executor.gradient_windows(prog.structure, prog.graph, lay, split_bytes=0)
+  lone = 0
+  for ws in all_windows:
+    for w in ws or []:
+      assert all(len(leaves) <= 1 for leaves in w.leaves), "split_bytes=0: one leaf per window"
+      for d, leaves in enumerate(w.leaves):
+        if leaves:
+          (idx,) = leaves
+          n = int(np.prod(lay.shapes[idx]))
+          assert w.starts[d] <= lay.offset[idx] and lay.offset[idx] + n <= w.starts[d] + w.length
+          lone += n == w.length
+  assert lone > 0
+  assert_matches_reference(prog, p, s, pure, batch, opt)

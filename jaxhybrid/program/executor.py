@@ -172,20 +172,63 @@ def structure_for(
   return schedule, structure, calls
 
 
+# Touched leaves of at least this many bytes get a gradient window of their own; smaller ones
+# that lie next to each other in the row share one (assumption, named here: a shared window is
+# made by concatenation, which copies its leaves once; a leaf alone is returned as it is, so a
+# large gradient such as a softmax's is never copied).
+WINDOW_SPLIT_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """A range of every device's gradient row that one group's conditional returns.
+
+  Device d's branch returns `length` elements of dtype `dtype`: its gradients of `leaves[d]`
+  placed at their offsets relative to `starts[d]`, zeros elsewhere; the range is added into
+  the row at `starts[d]` outside the conditional.
+  """
+
+  dtype: str
+  length: int
+  starts: tuple[int, ...]
+  leaves: tuple[tuple[int, ...], ...]
+
+  @property
+  def nbytes(self) -> int:
+    return self.length * np.dtype(self.dtype).itemsize
+
+  def copies(self, layout: ParamLayout) -> int:
+    """Bytes a device's branch builds before the output (leaves concatenated or padded)."""
+    out = 0
+    for lv in self.leaves:
+      n = sum(math.prod(layout.shapes[i]) for i in lv)
+      if len(lv) > 1 or (lv and n != self.length):
+        out = max(out, n * np.dtype(self.dtype).itemsize)
+    return out
+
+
 def gradient_windows(
-  st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout
-) -> list[dict[str, tuple[int, list[int]]] | None]:
-  """Per group (None without gradient tasks), per dtype: (length L, per-device start) of the
-  window of the device's gradient row that holds every owned leaf its gradient task of the group
-  touches; starts are clamped so the window fits the row. The window leaves the conditional and
-  is added into the row outside it (a row carried through a conditional is copied by XLA)."""
+  st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
+  split_bytes: int | None = None,
+) -> list[list[Window] | None]:
+  """Per group (None without gradient tasks), the windows of the devices' gradient rows its
+  conditional returns.
+
+  Each device's gradient task of the group touches some owned leaves; they are cut, in row
+  order, into runs (a leaf of at least `split_bytes` is a run alone; neighbours closer than
+  `split_bytes` share one; default WINDOW_SPLIT_BYTES). The j-th longest run of every device shares the j-th window, as long
+  as the longest of them; starts are clamped so each window fits the row. A window leaves the
+  conditional and is added into the row outside it (a row carried through a conditional is
+  copied by XLA); a window that is one leaf's gradient is that array itself, not a copy.
+  """
+  if split_bytes is None:
+    split_bytes = WINDOW_SPLIT_BYTES
   kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
   sizes = dict(layout.sizes)
   M = st.devices
-  out: list[dict[str, tuple[int, list[int]]] | None] = []
+  out: list[list[Window] | None] = []
   for lay in st.groups:
-    lo: dict[tuple[str, int], int] = {}
-    hi: dict[tuple[str, int], int] = {}
+    touched: dict[tuple[str, int], set[int]] = {}
     has = False
     for d, op in lay.tasks:
       if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
@@ -194,19 +237,47 @@ def gradient_windows(
       for v in graph.nodes[op.node].invars:
         if v in kinds and kinds[v][0] == graph_lib.PARAM and layout.owner[kinds[v][1]] >= 0:
           idx = kinds[v][1]
-          key = (layout.dtypes[idx], d)
-          off = layout.offset[idx]
-          lo[key] = min(lo.get(key, off), off)
-          hi[key] = max(hi.get(key, 0), off + math.prod(layout.shapes[idx]))
+          touched.setdefault((layout.dtypes[idx], d), set()).add(idx)
     if not has:
       out.append(None)
       continue
-    wins = {}
-    for dt in sorted({dt for dt, _ in lo}):
-      length = max(hi[(dt, d)] - lo[(dt, d)] for (kdt, d) in lo if kdt == dt)
-      wins[dt] = (length, [min(lo.get((dt, d), 0), sizes[dt] - length) for d in range(M)])
+    wins: list[Window] = []
+    for dt in sorted({dt for dt, _ in touched}):
+      item = np.dtype(dt).itemsize
+      runs: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}  # device -> (lo, hi, leaves)
+      for d in range(M):
+        cur: list[Any] = []
+        for idx in sorted(touched.get((dt, d), ()), key=lambda i: layout.offset[i]):
+          lo, n = layout.offset[idx], math.prod(layout.shapes[idx])
+          big = n * item >= split_bytes
+          if cur and not cur[3] and not big and (lo - cur[1]) * item < split_bytes:
+            cur[1], cur[2] = lo + n, cur[2] + (idx,)
+            continue
+          if cur:
+            runs.setdefault(d, []).append((cur[0], cur[1], cur[2]))
+          cur = [lo, lo + n, (idx,), big]
+        if cur:
+          runs.setdefault(d, []).append((cur[0], cur[1], cur[2]))
+      for d in runs:
+        runs[d].sort(key=lambda r: (-(r[1] - r[0]), r[0]))
+      for j in range(max(len(r) for r in runs.values())):
+        have = {d: r[j] for d, r in runs.items() if j < len(r)}
+        length = max(hi - lo for lo, hi, _ in have.values())
+        starts = tuple(
+          min(have[d][0], sizes[dt] - length) if d in have else 0 for d in range(M)
+        )
+        leaves = tuple(have[d][2] if d in have else () for d in range(M))
+        wins.append(Window(dtype=dt, length=length, starts=starts, leaves=leaves))
     out.append(wins)
   return out
+
+
+def sum_of_squares(tree: Any) -> jax.Array:
+  """Sum of squares of every leaf of `tree`, in float32."""
+  total = jnp.zeros((), jnp.float32)
+  for x in jax.tree.leaves(tree):
+    total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
+  return total
 
 
 @dataclasses.dataclass
@@ -252,7 +323,7 @@ def run_groups(
     off = layout.offset[idx]
     return lax.slice(rows[layout.dtypes[idx]], (off,), (off + n,)).reshape(layout.shapes[idx])
 
-  def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, windows: dict | None):
+  def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, windows: list[Window] | None):
     def branch(carry):
       sh_g = carry
       # This group's parameter gradients, in a window of this device's gradient row.
@@ -377,19 +448,19 @@ def run_groups(
       if windows is None:
         return outs, None
       wins = []
-      for dt in sorted(windows):
-        # The window by concatenation in offset order (zeros between and around): a window that
-        # is one leaf's gradient is that array itself, with no second buffer.
-        length, starts = windows[dt]
-        parts, pos = [], starts[d]
-        for idx in sorted((i for i in leaf_grads if layout.dtypes[i] == dt),
-                          key=lambda i: layout.offset[i]):
+      for w in windows:
+        # Gradients at their offsets in the window, zeros between and around: a window that is
+        # exactly one leaf's gradient is that array itself, with no second buffer.
+        parts, pos = [], w.starts[d]
+        for idx in w.leaves[d]:
           if layout.offset[idx] > pos:
-            parts.append(jnp.zeros((layout.offset[idx] - pos,), dt))
-          parts.append(leaf_grads[idx].astype(dt))
-          pos = layout.offset[idx] + leaf_grads[idx].shape[0]
-        if starts[d] + length > pos:
-          parts.append(jnp.zeros((starts[d] + length - pos,), dt))
+            parts.append(jnp.zeros((layout.offset[idx] - pos,), w.dtype))
+          gv = leaf_grads[idx] if idx in leaf_grads else jnp.zeros(
+            (math.prod(layout.shapes[idx]),), w.dtype)
+          parts.append(gv.astype(w.dtype))
+          pos = layout.offset[idx] + gv.shape[0]
+        if w.starts[d] + w.length > pos:
+          parts.append(jnp.zeros((w.starts[d] + w.length - pos,), w.dtype))
         wins.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
       return outs, (wins, sh_g)
 
@@ -409,11 +480,10 @@ def run_groups(
       wins, gshared = new
       # Add the window into this device's own row outside the conditional, in place: a whole
       # row carried through a conditional is copied by XLA on the way in and out.
-      for dt, win in zip(sorted(windows), wins):
-        _, starts = windows[dt]
-        start = jnp.asarray(starts, jnp.int32)[me] if M > 1 else starts[0]
-        cur = lax.dynamic_slice(grads[dt], (start,), (win.shape[0],))
-        grads[dt] = lax.dynamic_update_slice(grads[dt], cur + win, (start,))
+      for w, win in zip(windows, wins):
+        start = jnp.asarray(w.starts, jnp.int32)[me] if M > 1 else w.starts[0]
+        cur = lax.dynamic_slice(grads[w.dtype], (start,), (w.length,))
+        grads[w.dtype] = lax.dynamic_update_slice(grads[w.dtype], cur + win, (start,))
     for dt, buf in zip(sorted(lay.sizes), outs):
       bufs[("out", gi, dt)] = buf
     for s, dt, start, length in st.message_plan(gi):

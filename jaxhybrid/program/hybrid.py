@@ -62,7 +62,7 @@ CHECK_VMA = False
 
 def _sq(tree: Any, psum_axis: str | None = None) -> jax.Array:
   """Sum of squares of a gradient pytree (psum'd over `psum_axis` for per-device shares)."""
-  total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+  total = executor.sum_of_squares(tree)
   return lax.psum(total, psum_axis) if psum_axis else total
 
 

@@ -7,10 +7,13 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
 - gradients: a gradient row + shared leaves, accumulated over the micro-batches;
 - live buffers: the peak over the step of the task groups' output buffers and messages
   (activations, cotangents, residuals; `program.tasks.live_bytes`), which the schedule decides;
-- gradient window: the largest window of a gradient row one group's conditional returns (one
-  node's parameter gradients; `program.executor.gradient_windows`);
-- update: one parameter-sized buffer for the optimizer's updates (assumption, named here: XLA
-  materialises `updates` once before adding it to the donated parameters);
+- gradient windows: the largest set of gradient-row windows one group's conditional returns
+  (one node's parameter gradients; `program.executor.gradient_windows`), plus the gradients a
+  branch concatenates into a shared window before returning it (a leaf alone is not copied);
+- update_temp: what the step's tail needs beyond parameters, optimizer state and gradient row,
+  measured: XLA's compiled temp of the last window's addition, the squared norms and the
+  optimizer update alone, on one device's rows, from abstract inputs (`update_temp_bytes`:
+  optimizer-dependent; on the CPU Adam's keeps two row-sized buffers beyond the gradient row);
 - batch: this device's share of the global batch.
 
 Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
@@ -52,7 +55,7 @@ class MemoryReport:
   gradients: int
   live_peak: int
   window: int
-  update: int
+  update_temp: int
   batch: int
   # Per device: parameter bytes it owns (useful, excluding padding and shared leaves).
   owned: tuple[int, ...]
@@ -66,7 +69,7 @@ class MemoryReport:
   @property
   def predicted(self) -> int:
     return (
-      self.params + self.optimizer + self.gradients + self.live_peak + self.window + self.update
+      self.params + self.optimizer + self.gradients + self.live_peak + self.window + self.update_temp
       + self.batch
     )
 
@@ -97,7 +100,7 @@ class MemoryReport:
       ("parameters (row + shared)", self.params), ("optimizer state", self.optimizer),
       ("gradient row + shared", self.gradients), ("peak live buffers (act./res./msg.)",
                                                    self.live_peak),
-      ("gradient window", self.window), ("optimizer updates", self.update), ("batch shard", self.batch),
+      ("gradient window", self.window), ("optimizer update (compiled)", self.update_temp), ("batch shard", self.batch),
       ("predicted total", self.predicted),
     ]
     if self.compiled is not None:
@@ -117,6 +120,49 @@ class MemoryReport:
       verdict = "fits" if self.fits(capacity_bytes) else "does NOT fit"
       lines.append(f"  {verdict} in {capacity_bytes / GiB:.1f} GiB per device")
     return "\n".join(lines)
+
+
+def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0) -> int:
+  """XLA's compiled temp bytes of the step's tail on one device, from abstract inputs.
+
+  The tail as the step runs it: the gradient row made from zeros and windows (`window` elements
+  of the first dtype, out of conditionals) added in place at traced offsets, the gradients' sum
+  of squares (the noise-scale metric), then `optimizer.update` and `optax.apply_updates`
+  (parameters and optimizer state donated). Returned: that temp less the gradient row itself
+  (counted apart). What XLA keeps beyond its inputs depends on the optimizer and on how it fuses
+  the last addition into the row's readers (on the CPU, Adam: a row-sized square and a copy).
+  """
+  import jax.numpy as jnp
+  import optax
+
+  params = {
+    "owned": {dt: jax.ShapeDtypeStruct((1, n), dt) for dt, n in layout.sizes},
+    "shared": [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.shared],
+  }
+  opt = jax.eval_shape(optimizer.init, params)
+  first = min((dt for dt, _ in layout.sizes), default=None)
+  window = min(window, dict(layout.sizes).get(first, 0))
+  win = jax.ShapeDtypeStruct((window,), first or np.float32)
+
+  def tail(p, o, g, w, start):
+    # The gradient row as the step makes it: zeros, windows from conditionals added in place.
+    rows = {dt: jnp.zeros_like(r[0]) for dt, r in g["owned"].items()}
+    if window:
+      for j in range(2):
+        x = jax.lax.switch((start + j) % 2, [lambda x: x, lambda x: -x], w)
+        at = (start + j) % (rows[first].shape[0] - window + 1)
+        cur = jax.lax.dynamic_slice(rows[first], (at,), (window,))
+        rows[first] = jax.lax.dynamic_update_slice(rows[first], cur + x, (at,))
+    sq = executor.sum_of_squares(rows) + executor.sum_of_squares(g["shared"])
+    g = {"owned": {dt: r[None] for dt, r in rows.items()}, "shared": g["shared"]}
+    u, o = optimizer.update(g, o, p)
+    return optax.apply_updates(p, u), o, sq
+
+  start = jax.ShapeDtypeStruct((), np.int32)
+  compiled = jax.jit(tail, donate_argnums=(0, 1)).lower(params, opt, params, win, start).compile()
+  rows = sum(n * np.dtype(dt).itemsize for dt, n in layout.sizes)
+  # The tail's temp holds the gradient row itself (made inside, as in the step): counted apart.
+  return max(0, int(compiled.memory_analysis().temp_size_in_bytes) - rows)
 
 
 def abstract_params(prog: Any) -> dict[str, Any]:
@@ -178,11 +224,11 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     _nbytes(x) // (W if pe else 1) for x, pe in zip(batch, prog.per_example)
   )
   owned = lay.bytes_per_device()
+  all_windows = [ws for ws in executor.gradient_windows(prog.structure, prog.graph, lay) if ws]
   window = max(
-    (sum(n * np.dtype(dt).itemsize for dt, (n, _) in w.items())
-     for w in executor.gradient_windows(prog.structure, prog.graph, lay) if w),
-    default=0,
+    (sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws) for ws in all_windows), default=0
   )
+  last_window = all_windows[-1][-1].length if all_windows else 0
   fields: dict[str, Any] = {}
   if compile:
     ma = prog.step_fn().lower(ts, batch).compile().memory_analysis()
@@ -192,8 +238,8 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     )
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device, gradients=params,
-    live_peak=max(tasks_lib.live_bytes(prog.structure), default=0), window=window, update=params,
-    batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
+    live_peak=max(tasks_lib.live_bytes(prog.structure), default=0), window=window,
+    update_temp=update_temp_bytes(prog.optimizer, lay, last_window), batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )
 
