@@ -248,6 +248,22 @@ def test_dry_run_reports_memory_without_allocating(tmp_path):
                                  dry_run=True, workdir=str(tmp_path / "bad")))
 
 
+def test_a_plan_that_does_not_fit_is_a_one_line_error(tmp_path):
+  """A device smaller than the program's predicted bytes: one line saying what to do."""
+  from jaxhybrid.train import runner
+
+  config = runner._resolve(runner.RunConfig(  # noqa: SLF001
+    model="gnmt", size="tiny", mesh="1x2", microbatches=2, planner="dp",
+    workdir=str(tmp_path / "w"), hardware="dgx1-v100",
+  ))
+  _, hybrid, _ = runner.build(config, abstract=True)
+  need = hybrid.program.memory(compile=False).predicted
+  runner.check_fits(hybrid, limit_bytes=need)  # exactly enough: no error
+  with pytest.raises(runner.errors.UsageError, match=r"more model-axis devices") as err:
+    runner.check_fits(hybrid, limit_bytes=need - 1)
+  assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("schedule,mesh_spec", [("1f1b", "1x2"), ("zb", "2x2")])
 def test_one_window_per_leaf_matches_reference(monkeypatch, schedule, mesh_spec):
   """With every touched leaf in a window of its own (the rule for leaves >= WINDOW_SPLIT_BYTES,

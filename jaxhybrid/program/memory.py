@@ -16,6 +16,9 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   optimizer-dependent; on the CPU Adam's keeps two row-sized buffers beyond the gradient row);
 - batch: this device's share of the global batch.
 
+Predicted total = parameters + optimizer state + gradients + batch + max(live buffers + gradient
+windows, update_temp): the tail runs after the last group, when the groups' buffers are dead.
+
 Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
 (`jax.ShapeDtypeStruct` with shardings: nothing is allocated), arguments + temporaries per device.
 """
@@ -68,9 +71,11 @@ class MemoryReport:
 
   @property
   def predicted(self) -> int:
+    # The tail (optimizer update) runs after every group: its temporaries and the groups' buffers
+    # and windows are not alive at the same time.
     return (
-      self.params + self.optimizer + self.gradients + self.live_peak + self.window + self.update_temp
-      + self.batch
+      self.params + self.optimizer + self.gradients + self.batch
+      + max(self.live_peak + self.window, self.update_temp)
     )
 
   @property

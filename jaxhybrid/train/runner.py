@@ -373,6 +373,26 @@ def _replicate_step(state: Any, mesh: Any) -> Any:
   return state._replace(step=jax.make_array_from_callback((), sharding, lambda _: step))
 
 
+def check_fits(hybrid: Any, limit_bytes: int | None = None) -> None:
+  """Raises a one-line UsageError when the program's predicted per-device memory exceeds the
+  device's (`limit_bytes`, default: the accelerator's `bytes_limit`; CPU hosts are not checked:
+  their devices share the host's memory)."""
+  if limit_bytes is None:
+    dev = hybrid.mesh.devices.flat[0]
+    if dev.platform == "cpu":
+      return
+    limit_bytes = (dev.memory_stats() or {}).get("bytes_limit")
+    if not limit_bytes:
+      return
+  need = hybrid.program.memory(compile=False).predicted
+  if need > limit_bytes:
+    raise errors.UsageError(
+      f"the plan needs {need / 2**30:.2f} GiB per device (predicted), more than the "
+      f"{limit_bytes / 2**30:.2f} GiB a device holds: use more model-axis devices (--mesh=DxM "
+      "with a larger M), more --microbatches or a smaller --batch; --dry_run prints the table"
+    )
+
+
 def run(config: RunConfig) -> dict[str, Any]:
   """Runs (or resumes) one training run and writes its workdir; call `setup_devices` first.
 
@@ -398,6 +418,7 @@ def run(config: RunConfig) -> dict[str, Any]:
   _prepare_workdir(config)
   wd = config.workdir
   spec, hybrid, batch_fn = build(config)
+  check_fits(hybrid)  # before anything is allocated or written
   log.info("%s", hybrid.plan.summary())
   if primary:
     with open(os.path.join(wd, "config.json"), "w") as f:
