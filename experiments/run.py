@@ -38,7 +38,8 @@ _RESUME = flags.DEFINE_boolean("resume", False, "Continue the run in --workdir f
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of parameters and data.")
 _SET = flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
 _PLAN = flags.DEFINE_string("plan", None, "Apply this plan.json instead of planning.")
-_OPTIMIZER = flags.DEFINE_string("optimizer", "adam", "adam | sgd | adagrad.")
+_OPTIMIZER = flags.DEFINE_string(
+  "optimizer", None, "adam | sgd | adagrad (default: the paper's at --size=paper, BigLSTM's AdaGrad 0.2; else adam).")
 _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default: 3e-3 on tiny presets, else 1e-3).")
 _CLIP = flags.DEFINE_float("clip_norm", 0.0, "Clip gradients to this global norm over all devices (0: off).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint every K steps (0: at the end only).")

@@ -193,3 +193,18 @@ def test_sigkill_then_resume_reproduces_uninterrupted_losses(tmp_path):
   assert resumed.returncode == 0, resumed.stderr
   assert json.load(open(wd / "results.json"))["metrics"]["resumed_from"] > 0
   assert losses(wd) == losses(tmp_path / "full")
+
+
+def test_paper_size_defaults_to_the_papers_optimizer():
+  """--size=paper without --optimizer trains BigLSTM as the paper did (AdaGrad 0.2); an explicit
+  flag wins, and other sizes and models keep Adam."""
+  from jaxhybrid.train import runner
+
+  def resolved(**kw):
+    c = runner._resolve(runner.RunConfig(workdir="/tmp/unused", **kw))  # noqa: SLF001
+    return c.optimizer, c.learning_rate
+
+  assert resolved(model="biglstm", size="paper") == ("adagrad", 0.2)
+  assert resolved(model="biglstm", size="paper", optimizer="adam") == ("adam", runner.DEFAULT_LEARNING_RATE)
+  assert resolved(model="biglstm", size="tiny") == ("adam", runner.TINY_LEARNING_RATE)
+  assert resolved(model="gnmt", size="paper") == ("adam", runner.DEFAULT_LEARNING_RATE)

@@ -44,6 +44,9 @@ class PaperModel:
   dataset_size: float  # samples per epoch (only scales the time-to-accuracy column)
   epochs_at_base: float  # epochs to the target at one GPU's batch (ditto)
   notes: tuple[tuple[str, str], ...]  # (assumption name, source / derivation)
+  # The paper's optimizer (optax name, learning rate) where PAPER.md gives one; run.py uses it
+  # for --size=paper when --optimizer is not given.
+  optimizer: tuple[str, float] | None = None
 
 
 PAPER_MODELS: dict[str, PaperModel] = {
@@ -59,6 +62,7 @@ PAPER_MODELS: dict[str, PaperModel] = {
     # The other ~1.6B embedding/softmax parameters get no gradient in a step (sparse updates).
     grad_bytes=4 * (151_060_480 + (2 * 128 * 20 + 8192) * 1024),
     paper_s_mp_2=1.22,
+    optimizer=("adagrad", 0.2),  # PAPER.md: "AdaGrad 0.2"
     b_noise=4096,
     dataset_size=0.8e9 / 20,  # LM1B: ~0.8B training words (Chelba et al. 2013) / 20 per sample
     epochs_at_base=5.0,

@@ -38,6 +38,8 @@ from jaxhybrid.train.run_report import plot_loss
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adam", "sgd", "adagrad")
+# The optimizer when neither --optimizer nor the paper (at --size=paper) names one.
+DEFAULT_OPTIMIZER = "adam"
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
                      "optimizer", "learning_rate", "clip_norm", "schedule")
@@ -83,9 +85,10 @@ class RunConfig:
   overrides: tuple[tuple[str, Any], ...] = ()
   # A plan file to apply instead of planning (must be for this model, size, batch, mesh).
   plan: str | None = None
-  # Optimizer (optax name) and its learning rate; None = TINY_LEARNING_RATE for the tiny preset,
-  # DEFAULT_LEARNING_RATE otherwise.
-  optimizer: str = "adam"
+  # Optimizer (optax name) and its learning rate. Optimizer None: the paper's for --size=paper
+  # where PAPER.md names one (BigLSTM: AdaGrad 0.2), else DEFAULT_OPTIMIZER. Learning rate None:
+  # that paper figure, else TINY_LEARNING_RATE for the tiny preset, DEFAULT_LEARNING_RATE otherwise.
+  optimizer: str | None = None
   learning_rate: float | None = None
   # Clip gradients to this global L2 norm over all devices' parameters (jaxhybrid.train.optim); 0: off.
   clip_norm: float = 0.0
@@ -193,10 +196,20 @@ def _resolve(config: RunConfig) -> RunConfig:
   if workdir is None:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     workdir = os.path.join("runs", f"{config.model}-{size}-{config.mesh}-{stamp}")
-  lr = config.learning_rate
+  from jaxhybrid.projection import paper_scenario
+
+  paper = paper_scenario.PAPER_MODELS.get(config.model)
+  paper_opt = paper.optimizer if paper is not None and size == "paper" else None
+  optimizer, lr = config.optimizer, config.learning_rate
+  if optimizer is None:
+    optimizer = paper_opt[0] if paper_opt else DEFAULT_OPTIMIZER
+    if lr is None and paper_opt:
+      lr = paper_opt[1]
   if lr is None:
     lr = TINY_LEARNING_RATE if size == "tiny" else DEFAULT_LEARNING_RATE
-  return dataclasses.replace(config, size=size, batch=batch, learning_rate=lr, workdir=workdir)
+  return dataclasses.replace(
+    config, size=size, batch=batch, optimizer=optimizer, learning_rate=lr, workdir=workdir
+  )
 
 
 def validate(config: RunConfig) -> None:
@@ -222,7 +235,7 @@ def validate(config: RunConfig) -> None:
   if config.schedule not in task_schedule.KINDS:
     raise errors.UsageError(
       f"--schedule={config.schedule!r} is unknown: use one of {', '.join(task_schedule.KINDS)}")
-  if config.optimizer not in OPTIMIZERS:
+  if config.optimizer is not None and config.optimizer not in OPTIMIZERS:
     raise errors.UsageError(f"--optimizer={config.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
   if config.clip_norm < 0:
     raise errors.UsageError(f"--clip_norm={config.clip_norm}: use a positive norm, or 0 for no clipping")
