@@ -171,7 +171,14 @@ def _model(name):
 
   from jaxhybrid import models
 
-  spec = _ChainSpec() if name == "chain" else models.get(name, FLAGS.size, **_overrides())
+  if name == "chain":
+    spec = _ChainSpec()
+    for key, value in _overrides().items():  # --set width=512, --set layers=8
+      if key not in ("width", "layers", "features"):
+        raise ValueError(f"--set {key}: the chain takes width, layers, features")
+      setattr(spec, key, int(value))
+  else:
+    spec = models.get(name, FLAGS.size, **_overrides())
   return spec, spec.make(nnx.Rngs(0))
 
 
