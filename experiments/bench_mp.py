@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -435,7 +436,7 @@ def driver() -> list[dict]:
       logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
       localcluster.launch(_worker_argv("multi", name), 2, timeout_s=_job_s(t_start))
     except RuntimeError as e:
-      reason = str(e).splitlines()[0][-300:]
+      reason = re.sub(r"\[.*\]", "[...]", str(e).splitlines()[0])  # the job's argv elided
       logging.warning("%s skipped: %s", name, reason)
       cases.append({"model": name, "skipped": reason})
       _write(cases)
