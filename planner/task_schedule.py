@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
+
+from jaxhybrid.planner.problem import FORWARD_SHARE
 
 KINDS = ("gpipe", "1f1b", "zb")
 DEFAULT_KIND = "1f1b"
@@ -371,7 +373,7 @@ def timeline(
   schedule: TaskSchedule,
   edges: Sequence[tuple[int, int]],
   node_s: Sequence[float],
-  forward_share: float = 1.0 / 3.0,
+  forward_share: float = FORWARD_SHARE,
 ) -> dict[Op, tuple[float, float]]:
   """(start, end) of every task when each device runs its tasks in order, as soon as the tasks
   it depends on (over `edges`; same-device ones are implied by the order) have ended.
@@ -409,3 +411,80 @@ def timeline(
         progress = True
   return out
 
+
+
+def lockstep_groups(
+  schedule: TaskSchedule,
+  edges: Sequence[tuple[int, int]],
+  assignment: Sequence[int],
+  reads: Mapping[Op, Sequence[Op]],
+) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
+  """Slots and groups of a task schedule run in lock step (the rule `program.tasks` builds).
+
+  - A task goes to the first *slot* after its device's previous task and after the slots of the
+    tasks it depends on (`dependencies`) and of the tasks whose values it reads (`reads`).
+  - Consecutive slots merge into one *group* (one `lax.switch`) unless a task of the slot reads
+    a value another device made in the current group, or a device would run a second gradient
+    task (B unsplit, or W) in the group: its parameter gradients leave the conditional in one
+    window of the device's row.
+
+  Args:
+    schedule: the per-device task order.
+    edges: the DAG's edges (src, dst).
+    assignment: node -> device.
+    reads: task -> the tasks that make the values it reads (activations, cotangents, residuals).
+      Tasks absent read nothing beyond their dependencies.
+
+  Returns:
+    (slots, groups): each a list of [(device, task), ...], tasks of a device in schedule order
+    (groups: sorted by device within each slot).
+
+  Raises:
+    ValueError: the device orders wait on each other (no lock-step run exists).
+  """
+  devices = len(schedule.devices)
+  num_nodes = len(assignment)
+  preds, succs = _adjacency(num_nodes, edges)
+  slot_of: dict[Op, int] = {}
+  pos = [0] * devices
+  last = [-1] * devices
+  slots: list[list[tuple[int, Op]]] = []
+  remaining = sum(len(ops) for ops in schedule.devices)
+  while remaining:
+    progress = False
+    for d, ops in enumerate(schedule.devices):
+      while pos[d] < len(ops):
+        op = ops[pos[d]]
+        deps = list(reads.get(op, ())) + dependencies(op, preds, succs, schedule.split)
+        if any(t not in slot_of for t in deps):
+          break
+        s = max([last[d] + 1] + [slot_of[t] + 1 for t in deps])
+        while len(slots) <= s:
+          slots.append([])
+        slots[s].append((d, op))
+        slot_of[op] = s
+        last[d] = s
+        pos[d] += 1
+        remaining -= 1
+        progress = True
+    if not progress:
+      raise ValueError("the task schedule cannot run in lock step (device orders wait on each other)")
+  groups: list[list[tuple[int, Op]]] = []
+  made_in: dict[Op, int] = {}  # task of the current group -> its device
+  grad_devices: set[int] = set()  # devices with a gradient task in the current group
+
+  def grad_task(op: Op) -> bool:
+    return op.kind == "W" or (op.kind == "B" and not schedule.split)
+
+  for slot in slots:
+    crosses = any(made_in.get(t, d) != d for d, op in slot for t in reads.get(op, ()))
+    crosses = crosses or any(grad_task(op) and d in grad_devices for d, op in slot)
+    if crosses or not groups:
+      groups.append([])
+      made_in = {}
+      grad_devices = set()
+    grad_devices.update(d for d, op in slot if grad_task(op))
+    for d, op in sorted(slot):
+      groups[-1].append((d, op))
+      made_in[op] = d
+  return slots, groups
