@@ -14,6 +14,13 @@ overlap across those cuts, so the whole graph is planned at once:
 `Plan.lower_bound_s` is the largest of these proven bounds (CP-SAT's included; the MILP's own
 bound counts only when no orderings were fixed, see PlannerOptions.max_free_pairs), and
 `Plan.gap` is (makespan - lower_bound_s) / makespan.
+
+With objective='lockstep' (the default) the searches above only supply warm starts: the returned
+placement and F/B/W task schedule (`Plan.task_schedule`, what the program runs) minimise the
+lock-step price (planner.price) within the memory caps over time (fbw_search.py; for small
+problems also the F/B/W MILP, fbw_milp.py, whose optimum gives `Plan.lockstep_bound_s`). The
+fused fields (`schedule`, `predicted_step_s`, `lower_bound_s`, `gap`) then describe the fused
+schedule of the returned placement.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import time
 from typing import Any, Mapping
 
 from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import cpsat, decompose, milp, relax
+from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
+from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
@@ -90,13 +98,19 @@ def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> N
   if biggest is not None and mem[biggest] > max(caps):
     raise InfeasibleError(
       f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {k} micro-batch(es); "
-      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short)."
+      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short): "
+      f"{_REMEDY}"
     )
   if sum(mem) > sum(caps):
     raise InfeasibleError(
       f"The graph needs {sum(mem):.0f} bytes with {k} micro-batch(es); the {problem.devices} "
-      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short)."
+      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short): {_REMEDY}"
     )
+
+
+# What to do when the memory caps cannot be met (the end of every InfeasibleError on memory).
+_REMEDY = ("raise memory_caps_bytes (None or 0: no cap), use more devices, fewer micro-batches, "
+           "or a smaller batch or model.")
 
 
 def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Plan:
@@ -121,7 +135,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
       "build the problem with the same options."
     )
-  k, caps = opts.microbatches, opts.caps()
+  k, caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
   if opts.method == "milp" and opts.solver == "highs":
     milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
   _check_memory(problem, k, caps)
@@ -138,6 +152,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     "window": opts.window_search_share if k > 1 else 0.0,
     "cpsat": opts.cpsat_share if pipelined else 0.0,
     "milp": opts.milp_share if pipelined else 1.0 - opts.local_search_share,
+    "lockstep": opts.lockstep_search_share if opts.objective == "lockstep" else 0.0,
   }
   proven = {"analytic": bounds_lib.lower_bound(problem, k)}  # name -> a proven lower bound
   lower = proven["analytic"]
@@ -240,6 +255,11 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
         status = result.status
         if not result.restricted:  # a restricted MILP's bound holds for its orderings only
           proven["milp"] = result.bound
+  lock = None
+  if opts.objective == "lockstep":
+    lock = _lockstep(problem, opts, caps, found, best, clock, phases)
+    if lock["choice"].assignment != tuple(best.assignment):
+      best = heur.evaluate(problem, lock["choice"].assignment, k)
   makespan = best.makespan
   bound = audited_bound(proven, makespan)
   gap = (makespan - bound) / makespan if makespan > 0 else 0.0
@@ -247,6 +267,18 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   if status in ("optimal", "feasible"):
     status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"
   single_s = k * sum(problem.compute_s)
+  extra: dict[str, Any] = {"memory_caps_bytes": tuple(caps or ())}
+  if lock is not None:
+    choice = lock["choice"]
+    extra.update(
+      task_schedule=choice.schedule,
+      lockstep_step_s=choice.step_s,
+      lockstep_speedup=single_s / choice.step_s if choice.step_s > 0 else 1.0,
+      lockstep_bound_s=lock["bound"],
+      device_peak_bytes=choice.peak_bytes,
+      lockstep_baselines=lock["baselines"],
+      lockstep_found_by=choice.found_by,
+    )
   return Plan(
     node_names=problem.names,
     assignment=best.assignment,
@@ -270,7 +302,88 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     graph_fingerprint=problem.fingerprint,
     cost_source=problem.cost_source,
     hardware=problem.hardware,
+    **extra,
   )
+
+
+def _lockstep(
+  problem: Problem,
+  opts: PlannerOptions,
+  caps: tuple[float, ...] | None,
+  found: Mapping[str, heur.Candidate],
+  best: heur.Candidate,
+  clock: _Clock,
+  phases: dict[str, float],
+) -> dict[str, Any]:
+  """The lock-step search (fbw_search) from the fused searches' placements and orders.
+
+  With `opts.method` naming a heuristic only that heuristic's placement is kept (its best
+  schedule is chosen); else every placement found seeds the search, and problems with at most
+  `fbw_milp_max_tasks` tasks also run the F/B/W MILP (fbw_milp) for a bound and a candidate.
+
+  Returns:
+    {'choice': fbw_search.Choice, 'baselines': {...}, 'bound': seconds}.
+
+  Raises:
+    InfeasibleError: no schedule of any candidate fits the caps (the message says by how many
+      bytes the closest one missed).
+  """
+  k = opts.microbatches
+
+  def order(c: heur.Candidate) -> list[tuple[int, int]]:
+    return sorted(((i, m) for i in range(problem.num_nodes) for m in range(k)),
+                  key=lambda t: (c.starts[t[0]][t[1]], t))
+
+  bound = fbw_search.simple_bound(problem, k)
+  if opts.method != "milp":
+    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best))
+    if got is None:
+      raise InfeasibleError(_short_message(problem, [best.assignment], k, caps))
+    name, schedule, step, mem = got
+    choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
+                               f"{opts.method}/{name}")
+    return {"choice": choice, "baselines": {}, "bound": bound}
+  extra = []
+  budget = clock.share("lockstep", phases)
+  t_end = time.monotonic() + budget
+  optima = []  # the F/B/W MILP's bound per family (unsplit, split)
+  for split in (False, True):
+    tasks = problem.num_nodes * k * (3 if split else 2)
+    if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
+      break
+    res = fbw_milp.solve(
+      problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, budget / 4),
+      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+    )
+    optima.append(res.bound)
+    if res.schedule is not None:
+      extra.append((f"fbw_milp_{'zb' if split else 'fb'}", res.assignment, res.schedule))
+  if len(optima) == 2:
+    # The plan's schedule is split or not: the smaller optimum bounds both families.
+    bound = max(bound, min(optima))
+  seeds = {name: (c.assignment, order(c)) for name, c in found.items()}
+  choice, baselines = fbw_search.search(
+    problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
+    evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
+  )
+  if choice is None:
+    raise InfeasibleError(_short_message(
+      problem, [c.assignment for c in found.values()], k, caps))
+  return {"choice": choice, "baselines": baselines, "bound": bound}
+
+
+def _short_message(
+  problem: Problem, placements: list[tuple[int, ...]], k: int, caps: tuple[float, ...] | None
+) -> str:
+  """One line: by how many bytes the closest placement's best schedule misses the caps."""
+  short = float("inf")
+  for assign in placements + fbw_search.contiguous_splits(problem):
+    for _, schedule in fbw_search.schedules_for(problem, assign, k):
+      mem = price_lib.peak_memory_bytes(problem, assign, schedule)
+      short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
+  return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
+          f"{k} micro-batch(es): the closest is {short:.0f} bytes short on its fullest device; "
+          f"{_REMEDY}")
 
 
 def _anneal(

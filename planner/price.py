@@ -84,15 +84,15 @@ def groups_of(
 
 
 def _messages(
-  problem: Problem, assignment: Sequence[int], group: Sequence[tuple[int, Op]], split: bool
+  problem: Problem, assignment: Sequence[int], group: Sequence[tuple[int, Op]],
+  adjacency: tuple[list, list, list[bool]],
 ) -> dict[tuple[int, str], dict[int, list[tuple[int, int, bool]]]]:
   """(shift, dtype) -> sender -> [(edge, value, backward)] leaving `group` for other devices.
 
   A forward value goes once to each other device that holds one of its readers; a cotangent goes
   from B(n, c) to the device of the value's producer (one per consumer, as the program sends)."""
   M = problem.devices
-  succs = problem.successors()
-  preds = problem.predecessors()
+  succs, preds, floats = adjacency
   out: dict[tuple[int, str], dict[int, list[tuple[int, int, bool]]]] = {}
   for d, op in group:
     if op.kind == "F":
@@ -113,10 +113,9 @@ def _messages(
         if a == d:
           continue
         for v in problem.edge_values[e]:
-          if problem.is_float(v):
+          if floats[v]:
             key = ((a - d) % M, problem.value_dtypes[v])
             out.setdefault(key, {}).setdefault(d, []).append((e, v, True))
-  del split
   return out
 
 
@@ -133,12 +132,14 @@ def lockstep_price(
   compute = transfer = 0.0
   count = 0
   groups = groups_of(problem, assignment, schedule)
+  adjacency = (problem.successors(), problem.predecessors(),
+               [problem.is_float(v) for v in range(len(problem.value_bytes))])
   for group in groups:
     per_device: dict[int, float] = {}
     for d, op in group:
       per_device[d] = per_device.get(d, 0.0) + problem.task_s(op.kind, op.node, split)
     compute += max(per_device.values(), default=0.0)
-    for (shift, _), by_src in sorted(_messages(problem, assignment, group, split).items()):
+    for (shift, _), by_src in sorted(_messages(problem, assignment, group, adjacency).items()):
       count += 1
       if problem.link_latency_s:
         length = max(sum(problem.value_bytes[v] for _, v, _ in items)

@@ -184,6 +184,28 @@ class Problem:
       return 0.0
     return self.transfer_s[e][src][dst] / self.transfer_directions
 
+  def subproblem(self, nodes: Sequence[int]) -> Problem:
+    """The induced sub-problem on `nodes` (sorted), renumbered 0..len-1 (values renumbered)."""
+    index = {v: r for r, v in enumerate(nodes)}
+    keep = [e for e, (s, d) in enumerate(self.edges) if s in index and d in index]
+    used = sorted({v for e in keep for v in self.edge_values[e]})
+    vindex = {v: r for r, v in enumerate(used)}
+    return dataclasses.replace(
+      self,
+      names=tuple(self.names[v] for v in nodes),
+      compute_s=tuple(self.compute_s[v] for v in nodes),
+      static_bytes=tuple(self.static_bytes[v] for v in nodes),
+      activation_bytes=tuple(self.activation_bytes[v] for v in nodes),
+      edges=tuple((index[self.edges[e][0]], index[self.edges[e][1]]) for e in keep),
+      edge_bytes=tuple(self.edge_bytes[e] for e in keep),
+      transfer_s=tuple(self.transfer_s[e] for e in keep),
+      forward_s=tuple(self.forward_s[v] for v in nodes),
+      input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
+      value_bytes=tuple(self.value_bytes[v] for v in used),
+      value_dtypes=tuple(self.value_dtypes[v] for v in used),
+      edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
+    )
+
   def memory_bytes(self, microbatches: int) -> tuple[float, ...]:
     """m_i: bytes node i needs on its device with `microbatches` micro-batches in flight."""
     return tuple(s + a * microbatches for s, a in zip(self.static_bytes, self.activation_bytes))

@@ -238,11 +238,27 @@ def generate(
   w_pending = [0] * devices
   now = 0.0
 
-  def ready(op: Op) -> bool:
-    return all(dep in done and done[dep] <= now for dep in dependencies(op, preds, succs, split))
+  # A task is ready once every task it depends on has finished (popped from `running`): kept
+  # incrementally (a count of unfinished dependencies per task) instead of re-checked per pick.
+  waiting: dict[Op, int] = {}
+  dependents: dict[Op, list[Op]] = {}
+  for d in todo:
+    for op in todo[d]:
+      deps = dependencies(op, preds, succs, split)
+      waiting[op] = len(deps)
+      for dep in deps:
+        dependents.setdefault(dep, []).append(op)
+  ready_set = [{op for op in todo[d] if waiting[op] == 0} for d in range(devices)]
+  f_left = [sum(op.kind == "F" for op in todo[d]) for d in range(devices)]
+
+  def finish(op: Op) -> None:
+    for other in dependents.get(op, ()):
+      waiting[other] -= 1
+      if waiting[other] == 0:
+        ready_set[assignment[other.node]].add(other)
 
   def pick(d: int, relax: bool) -> Op | None:
-    cands = [op for op in todo[d] if ready(op)]
+    cands = list(ready_set[d])
     if not cands:
       return None
     fs = [op for op in cands if op.kind == "F"]
@@ -251,7 +267,7 @@ def generate(
     if kind == "gpipe":
       if fs:
         return min(fs, key=lambda o: fprio[(o.node, o.microbatch)])
-      if any(op.kind == "F" for op in todo[d]):
+      if f_left[d]:
         return None  # GPipe: the backward waits for every forward on the device
       return min(bs, key=lambda o: (o.microbatch, -topo[o.node]), default=None)
     if ws and w_pending[d] >= depth[d]:
@@ -279,6 +295,8 @@ def generate(
         if op is None:
           continue
         todo[d].discard(op)
+        ready_set[d].discard(op)
+        f_left[d] -= op.kind == "F"
         seq[d].append(op)
         end = now + duration(op)
         busy_until[d] = end
@@ -301,9 +319,11 @@ def generate(
     end, _, op = heapq.heappop(running)
     now = max(now, end)
     done[op] = end
+    finish(op)
     while running and running[0][0] <= now:
       _, _, other = heapq.heappop(running)
       done[other] = now
+      finish(other)
   return TaskSchedule(
     kind=kind, split=split, microbatches=microbatches,
     devices=tuple(tuple(ops) for ops in seq),
