@@ -53,17 +53,20 @@ class Choice:
 
 def schedules_for(
   problem: Problem, assignment: Sequence[int], k: int,
-  order: Sequence[tuple[int, int]] | None = None,
+  order: Sequence[tuple[int, int]] | None = None, kinds: Sequence[str] = ts.KINDS,
 ) -> list[tuple[str, TaskSchedule]]:
-  """GPipe, 1F1B and ZB-H1 of a placement (and the same with forward priority `order`)."""
+  """GPipe, 1F1B and ZB-H1 (those in `kinds`) of a placement, and the same with forward
+  priority `order` (named '<kind>+order'; the schedule keeps its kind)."""
   out = []
   for kind in ts.KINDS:
+    if kind not in kinds:
+      continue
     out.append((kind, ts.generate(kind, problem.num_nodes, problem.edges, assignment,
                                   problem.devices, k, forward_s=problem.forward_s)))
     if order:
       sch = ts.generate(kind, problem.num_nodes, problem.edges, assignment, problem.devices, k,
                         forward_s=problem.forward_s, order=order)
-      out.append((kind + "+order", dataclasses.replace(sch, kind="custom")))
+      out.append((kind + "+order", sch))
   return out
 
 
@@ -71,10 +74,11 @@ def best_schedule(
   problem: Problem, assignment: Sequence[int], k: int, caps: Sequence[float] | None,
   order: Sequence[tuple[int, int]] | None = None,
   extra: Sequence[tuple[str, TaskSchedule]] = (),
+  kinds: Sequence[str] = ts.KINDS,
 ) -> tuple[str, TaskSchedule, float, list[float]] | None:
   """The cheapest schedule of `assignment` within `caps`: (name, schedule, price, peak bytes)."""
   best = None
-  for name, sch in list(schedules_for(problem, assignment, k, order)) + list(extra):
+  for name, sch in list(schedules_for(problem, assignment, k, order, kinds)) + list(extra):
     mem = price_lib.peak_memory_bytes(problem, assignment, sch)
     if caps is not None and any(m > c for m, c in zip(mem, caps)):
       continue
@@ -130,6 +134,7 @@ def search(
   evaluations: int | None = None,
   seed: int = 0,
   extra: Sequence[tuple[str, Sequence[int], TaskSchedule]] = (),
+  kinds: Sequence[str] = ts.KINDS + ("custom",),
 ) -> tuple[Choice | None, dict[str, float]]:
   """The best (placement, schedule) in lock step within `caps`, and the baselines.
 
@@ -142,7 +147,10 @@ def search(
     evaluations: most placements the annealing prices (None: the time limit alone); set it for
       results that do not depend on the machine's load.
     seed: the annealing's random seed.
-    extra: (name, placement, schedule) candidates priced as given (e.g. the F/B/W MILP's).
+    extra: (name, placement, schedule) candidates priced as given (e.g. the F/B/W MILP's);
+      used only when 'custom' is in `kinds`.
+    kinds: the schedules the result may use ('gpipe', '1f1b', 'zb', 'custom'); the baselines
+      are priced for all three generated kinds.
 
   Returns:
     (choice or None when nothing fits the caps, baselines: 'gpipe'/'1f1b'/'zb' -> lock-step price
@@ -154,7 +162,7 @@ def search(
 
   def consider(name: str, assign: Sequence[int], order=None, more=()) -> float:
     nonlocal best
-    got = best_schedule(problem, assign, k, caps, order, more)
+    got = best_schedule(problem, assign, k, caps, order, more, kinds)
     if got is None:
       return math.inf
     kind, sch, p, mem = got
@@ -165,10 +173,12 @@ def search(
   def out_of_time() -> bool:
     return evaluations is None and time.monotonic() > t_end
 
-  for name, assign, sch in extra:
+  for name, assign, sch in extra if "custom" in kinds else ():
     if price_lib.fits(problem, assign, sch, caps):
       consider(name, assign, more=[("custom", sch)])
   for name, (assign, order) in seeds.items():
+    if out_of_time() and best is not None:
+      break
     consider(name, assign, order)
   # Contiguous splits, the most compute-balanced first; with the clock as the only limit the
   # baselines are over the splits priced in time.
@@ -182,7 +192,7 @@ def search(
         continue
       p = price_lib.lockstep_price(problem, assign, sch).step_s
       baselines[kind] = min(baselines.get(kind, math.inf), p)
-      if best is None or p < best.step_s - 1e-15:
+      if kind in kinds and (best is None or p < best.step_s - 1e-15):
         best = Choice(tuple(assign), sch, p, tuple(price_lib.peak_memory_bytes(
           problem, assign, sch)), f"contiguous/{kind}")
   if best is None or problem.devices < 2 or problem.num_nodes < 2:

@@ -132,6 +132,10 @@ class PlannerOptions:
   lockstep_search_share: float = 0.15
   # Placements that annealing prices (None: its time share alone stops it). Tests set it.
   lockstep_evaluations: int | None = None
+  # Task schedules the lock-step search may return: generated 'gpipe', '1f1b', 'zb' (also with
+  # the fused search's forward order as priority), and 'custom' (the F/B/W MILP's own order).
+  # The API passes the program's requested kind here, so that the plan is the schedule it runs.
+  schedule_kinds: tuple[str, ...] = ("gpipe", "1f1b", "zb", "custom")
   # Problems with at most this many F/B/W tasks also run the F/B/W MILP (fbw_milp.py): its
   # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
   fbw_milp_max_tasks: int = 48
@@ -156,6 +160,10 @@ class PlannerOptions:
       raise ValueError(f"gap={self.gap!r}: use a relative gap in [0, 1).")
     if self.solver not in SOLVERS:
       raise ValueError(f"solver={self.solver!r}: use one of {SOLVERS}.")
+    bad = set(self.schedule_kinds) - {"gpipe", "1f1b", "zb", "custom"}
+    if bad or not self.schedule_kinds:
+      raise ValueError(f"schedule_kinds={self.schedule_kinds!r}: use some of gpipe, 1f1b, zb, "
+                       "custom.")
     if self.objective not in OBJECTIVES:
       raise ValueError(f"objective={self.objective!r}: use one of {OBJECTIVES}.")
     if self.method not in METHODS:

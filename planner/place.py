@@ -25,6 +25,7 @@ schedule of the returned placement.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping
@@ -336,7 +337,8 @@ def _lockstep(
 
   bound = fbw_search.simple_bound(problem, k)
   if opts.method != "milp":
-    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best))
+    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best),
+                                   kinds=opts.schedule_kinds)
     if got is None:
       raise InfeasibleError(_short_message(problem, [best.assignment], k, caps))
     name, schedule, step, mem = got
@@ -349,6 +351,8 @@ def _lockstep(
   optima = []  # the F/B/W MILP's bound per family (unsplit, split)
   for split in (False, True):
     tasks = problem.num_nodes * k * (3 if split else 2)
+    if "custom" not in opts.schedule_kinds:
+      break  # its order could not be returned; the simple bound stands
     if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
       break
     res = fbw_milp.solve(
@@ -361,10 +365,13 @@ def _lockstep(
   if len(optima) == 2:
     # The plan's schedule is split or not: the smaller optimum bounds both families.
     bound = max(bound, min(optima))
-  seeds = {name: (c.assignment, order(c)) for name, c in found.items()}
+  # The fused search's placements, the shortest fused makespan first (priced first if time is short).
+  seeds = {name: (c.assignment, order(c))
+           for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
   choice, baselines = fbw_search.search(
     problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
     evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
+    kinds=opts.schedule_kinds,
   )
   if choice is None:
     raise InfeasibleError(_short_message(
@@ -477,3 +484,21 @@ class _Clock:
       del phases[n]
     left = max(0.0, self._deadline - time.monotonic())
     return max(_MIN_PHASE_S, left * weight / total if total > 0 else left)
+
+
+def reprice(plan: Plan, problem: Problem, schedule: Any) -> Plan:
+  """`plan` with its lock-step fields (`task_schedule`, `lockstep_step_s`, `lockstep_speedup`,
+  `device_peak_bytes`) for another task schedule of its placement, e.g. the one a program was
+  asked to run; the bound and the baselines stay (they do not depend on the schedule).
+
+  Args:
+    plan: a plan for `problem`.
+    problem: the problem the plan was made for.
+    schedule: a TaskSchedule of plan.assignment.
+  """
+  step = price_lib.lockstep_price(problem, plan.assignment, schedule).step_s
+  return dataclasses.replace(
+    plan, task_schedule=schedule, lockstep_step_s=step,
+    lockstep_speedup=plan.single_device_s / step if step > 0 else 1.0,
+    device_peak_bytes=tuple(price_lib.peak_memory_bytes(problem, plan.assignment, schedule)),
+  )
