@@ -365,7 +365,10 @@ def _check_plan(
 
   if devices < 2 or len(set(plan.assignment)) < 2:
     return plan, None
-  single = planner_lib.place(g, costs, devices=devices, microbatches=microbatches, method="single")
+  # The single-device reference is priced, not run: no memory cap (the planner's default caps
+  # every device at its memory, which a paper-size model on one device exceeds).
+  single = planner_lib.place(g, costs, devices=devices, microbatches=microbatches, method="single",
+                             memory_caps_bytes=None)
   sched = program_options.get("schedule") or plan.task_schedule or None
   kw = {
     "pack_max_bytes": program_options.get("pack_max_bytes"),

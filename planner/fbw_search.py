@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # Contiguous splits tried for M > 2: each boundary of the compute-balanced split moved by up to
 # this many nodes (all combinations).
 SPLIT_SHIFT = 2
+# Problems with at most this many placements (M^n) are searched exhaustively instead of annealed.
+EXHAUSTIVE_PLACEMENTS = 512
 # Annealing: start temperature as a share of the start price, and its geometric cooling per move.
 ANNEAL_T0 = 0.02
 ANNEAL_COOLING = 0.995
@@ -135,6 +137,7 @@ def search(
   seed: int = 0,
   extra: Sequence[tuple[str, Sequence[int], TaskSchedule]] = (),
   kinds: Sequence[str] = ts.KINDS + ("custom",),
+  target: float = 0.0,
 ) -> tuple[Choice | None, dict[str, float]]:
   """The best (placement, schedule) in lock step within `caps`, and the baselines.
 
@@ -151,6 +154,9 @@ def search(
       used only when 'custom' is in `kinds`.
     kinds: the schedules the result may use ('gpipe', '1f1b', 'zb', 'custom'); the baselines
       are priced for all three generated kinds.
+    target: stop once a plan is this fast (e.g. a lower bound times 1 + gap).
+
+  With at most EXHAUSTIVE_PLACEMENTS placements every placement is priced (no annealing).
 
   Returns:
     (choice or None when nothing fits the caps, baselines: 'gpipe'/'1f1b'/'zb' -> lock-step price
@@ -160,9 +166,16 @@ def search(
   best: Choice | None = None
   baselines: dict[str, float] = {}
 
+  seen: dict[tuple[int, ...], float] = {}
+
   def consider(name: str, assign: Sequence[int], order=None, more=()) -> float:
     nonlocal best
+    key = tuple(assign)
+    if order is None and not more and key in seen:
+      return seen[key]
     got = best_schedule(problem, assign, k, caps, order, more, kinds)
+    if order is None and not more:
+      seen[key] = got[2] if got is not None else math.inf
     if got is None:
       return math.inf
     kind, sch, p, mem = got
@@ -197,12 +210,17 @@ def search(
           problem, assign, sch)), f"contiguous/{kind}")
   if best is None or problem.devices < 2 or problem.num_nodes < 2:
     return best, baselines
+  if problem.devices ** problem.num_nodes <= EXHAUSTIVE_PLACEMENTS:
+    for assign in itertools.product(range(problem.devices), repeat=problem.num_nodes):
+      consider("exhaustive", assign)
+    return best, baselines
   # Annealing over placements from the best so far.
   rng = random.Random(seed)
   cur_assign, cur = list(best.assignment), best.step_s
   temp = ANNEAL_T0 * cur
   count = 0
-  while time.monotonic() < t_end and (evaluations is None or count < evaluations):
+  while (time.monotonic() < t_end and (evaluations is None or count < evaluations)
+         and best.step_s > target):
     count += 1
     i = rng.randrange(problem.num_nodes)
     d = rng.randrange(problem.devices - 1)

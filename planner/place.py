@@ -371,7 +371,7 @@ def _lockstep(
   choice, baselines = fbw_search.search(
     problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
     evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
-    kinds=opts.schedule_kinds,
+    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap),
   )
   if choice is None:
     raise InfeasibleError(_short_message(
