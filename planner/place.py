@@ -91,20 +91,25 @@ def place(
 
 
 def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
-  """Raises InfeasibleError when memory cannot fit whatever the placement."""
+  """Raises InfeasibleError when memory cannot fit whatever the placement (k micro-batches'
+  residuals alive per node; k = 0: the F/B/W model, one micro-batch per node, static in total)."""
   if caps is None:
     return
-  mem = problem.memory_bytes(k)
+  mem = problem.memory_bytes(max(k, 1))
   biggest = max(range(problem.num_nodes), key=lambda i: mem[i], default=None)
   if biggest is not None and mem[biggest] > max(caps):
     raise InfeasibleError(
-      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {k} micro-batch(es); "
+      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {max(k, 1)} "
+      f"micro-batch(es) alive; "
       f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short): "
       f"{_REMEDY}"
     )
+  if k == 0:  # F/B/W: residuals need not all be alive at once; the static bytes must fit
+    mem = tuple(float(b) for b in problem.static_bytes)
   if sum(mem) > sum(caps):
     raise InfeasibleError(
-      f"The graph needs {sum(mem):.0f} bytes with {k} micro-batch(es); the {problem.devices} "
+      f"The graph needs {sum(mem):.0f} bytes "
+      f"({f'{k} micro-batch(es) alive' if k else 'static'}); the {problem.devices} "
       f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short): {_REMEDY}"
     )
 
@@ -136,10 +141,15 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
       "build the problem with the same options."
     )
-  k, caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
+  k, lock_caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
   if opts.method == "milp" and opts.solver == "highs":
     milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
-  _check_memory(problem, k, caps)
+  # With the lock-step objective the caps bind the F/B/W schedule's memory over time (fewer
+  # residuals alive than the fused model's k per node): the fused searches, warm starts only,
+  # run uncapped, and a node needs its static bytes and one micro-batch's residuals at least.
+  lockstep = opts.objective == "lockstep" and opts.method == "milp"
+  caps = None if lockstep else lock_caps
+  _check_memory(problem, 0 if lockstep else k, lock_caps)
   # The MILP with k > 1 micro-batches on several devices: bounds and searches for pipelines.
   pipelined = opts.method == "milp" and k > 1 and problem.devices > 1
   binding = caps is not None and sum(problem.memory_bytes(k)) > min(caps)
@@ -189,8 +199,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       seeds.append(heur.evaluate(problem, relaxation.assignment, k))
   if opts.method in ("milp", "local") and seeds:
     target = lower * (1 + opts.gap) if opts.method == "milp" else 0.0
-    found["local"] = local = _anneal(problem, opts, clock, phases, seeds[:len(found)], seeds,
-                                     target)
+    found["local"] = local = _anneal(problem, opts, caps, clock, phases, seeds[:len(found)],
+                                     seeds, target)
     if pipelined and opts.cpsat_share > 0 and local.makespan > target:
       found_cp = cpsat.solve(
         problem, k, warm=local, caps=caps, lower_bound=lower,
@@ -258,7 +268,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
           proven["milp"] = result.bound
   lock = None
   if opts.objective == "lockstep":
-    lock = _lockstep(problem, opts, caps, found, best, clock, phases)
+    lock = _lockstep(problem, opts, lock_caps, found, best, clock, phases)
     if lock["choice"].assignment != tuple(best.assignment):
       best = heur.evaluate(problem, lock["choice"].assignment, k)
   makespan = best.makespan
@@ -268,7 +278,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   if status in ("optimal", "feasible"):
     status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"
   single_s = k * sum(problem.compute_s)
-  extra: dict[str, Any] = {"memory_caps_bytes": tuple(caps or ())}
+  extra: dict[str, Any] = {"memory_caps_bytes": tuple(lock_caps or ())}
   if lock is not None:
     choice = lock["choice"]
     extra.update(
@@ -396,6 +406,7 @@ def _short_message(
 def _anneal(
   problem: Problem,
   opts: PlannerOptions,
+  caps: tuple[float, ...] | None,
   clock: _Clock,
   phases: dict[str, float],
   heuristics: list[heur.Candidate],
@@ -409,7 +420,7 @@ def _anneal(
   plan is therefore never worse than), the others from the best of `seeds` (the heuristics and
   the relaxation's placement), with seeds opts.seed, opts.seed + 1, ...
   """
-  k, caps = opts.microbatches, opts.caps()
+  k = opts.microbatches
   chains = 1 if k == 1 else opts.search_chains
   per_pair = opts.search_evaluations or (_K1_EVALUATIONS if k == 1 else _PIPELINE_EVALUATIONS)
   budget = clock.share("annealing", phases)
