@@ -271,6 +271,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     lock = _lockstep(problem, opts, lock_caps, found, best, clock, phases)
     if lock["choice"].assignment != tuple(best.assignment):
       best = heur.evaluate(problem, lock["choice"].assignment, k)
+      found_by = "lockstep"  # the fused schedule of the lock-step search's placement
   makespan = best.makespan
   bound = audited_bound(proven, makespan)
   gap = (makespan - bound) / makespan if makespan > 0 else 0.0
