@@ -237,16 +237,42 @@ def search(
 
 
 def simple_bound(problem: Problem, k: int) -> float:
-  """A lower bound on the lock-step price of any plan (split or not): the larger of one
-  micro-batch's chain along the longest path with no transfer delays (F forward along it, then
-  the input cotangents B back: F(i) + input_grad_s(i) per node, which unsplit B only lengthens),
-  and the total work spread evenly over the M devices."""
-  n = problem.num_nodes
-  succs = problem.successors()
-  longest = [0.0] * n
-  for i in reversed(range(n)):
-    tail = max((longest[s] for s, _ in succs[i]), default=0.0)
-    longest[i] = problem.forward_s[i] + problem.input_grad_s[i] + tail
-  chain = max(longest, default=0.0)
-  work = k * sum(problem.compute_s) / problem.devices
-  return max(chain, work)
+  """A lower bound on the lock-step price of any plan, split or not, from the task precedences
+  alone (no transfer delays, any placement). With LF(s) the longest path of forward times ending
+  at sink s (its F included), LB(s) the longest path of input-cotangent times starting at s back
+  to a source, F = k sum forward_s and R = k sum (compute_s - forward_s) (B and W):
+    - total work over the M devices: (F + R) / M;
+    - one micro-batch's chain: LF(s) + LB(s) for every sink s (B(s, c) waits for F(s, c));
+  and, where one sink t is reached from every node (the loss):
+    - no B or W before the first F(t, c) ends (every B(i, c) waits for B(t, c)): LF(t) + R / M;
+    - every F ends by the end of the last F(t, c), and LB(t) follows it: F / M + LB(t);
+    - with k = 1 all the backward work follows every forward: max(F / M, LF(t)) +
+      max(R / M, LB(t)).
+  The lock-step price is at least the asynchronous makespan (fbw_milp's docstring), which
+  satisfies all of these.
+  """
+  n, M = problem.num_nodes, problem.devices
+  if n == 0:
+    return 0.0
+  preds, succs = problem.predecessors(), problem.successors()
+  lf = [0.0] * n
+  for i in range(n):  # nodes are topological
+    lf[i] = problem.forward_s[i] + max((lf[p] for p, _ in preds[i]), default=0.0)
+  lb = [0.0] * n  # longest input-cotangent path from i back to a source
+  for i in range(n):
+    lb[i] = problem.input_grad_s[i] + max((lb[p] for p, _ in preds[i]), default=0.0)
+  fwd = k * sum(problem.forward_s)
+  rest = k * sum(c - f for c, f in zip(problem.compute_s, problem.forward_s))
+  sinks = [i for i in range(n) if not succs[i]]
+  bound = max([(fwd + rest) / M] + [lf[s] + lb[s] for s in sinks])
+  if len(sinks) == 1:
+    t = sinks[0]
+    reach = {t}
+    for i in reversed(range(n)):
+      if any(s in reach for s, _ in succs[i]):
+        reach.add(i)
+    if len(reach) == n:
+      bound = max(bound, lf[t] + rest / M, fwd / M + lb[t])
+      if k == 1:
+        bound = max(bound, max(fwd / M, lf[t]) + max(rest / M, lb[t]))
+  return bound

@@ -235,6 +235,7 @@ def test_fbw_milp_equals_brute_force_and_bounds_every_lockstep_schedule(name, k,
   assert res.status == "optimal"
   assert res.makespan == pytest.approx(want, rel=1e-7)
   assert res.bound <= want * (1 + 1e-7)
+  assert fbw_search.simple_bound(prob, k) <= want * (1 + 1e-9)
   # The MILP's own order is a valid schedule within the caps with that makespan.
   ts.validate(res.schedule, prob.num_nodes, prob.edges, res.assignment)
   assert price.fits(prob, res.assignment, res.schedule, caps)
