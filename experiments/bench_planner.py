@@ -191,6 +191,9 @@ def _main_fbw():
         if plans_dir:
           case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))
         cases.append(case)
+        if _OUT.value:  # after every case: a crash keeps the cases done
+          with open(_OUT.value, "w") as f:
+            json.dump(cases, f, indent=1)
         bl = " ".join(f"{h}={v * 1e3:.2f}" for h, v in base.items())
         peaks = "/".join(f"{b / gib:.1f}" for b in plan.device_peak_bytes)
         print(f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{solve_time_s:>8.2f}{step * 1e3:>13.2f}"

@@ -138,6 +138,9 @@ def solve(
   m.threads = threads
   m.seed = seed
   m.max_mip_gap = gap
+  # CBC's preprocessing crashed (SIGSEGV/SIGABRT in CglPreProcess::postProcess) on a 48-task
+  # GNMT instance under a tight time limit; these models are small, so it stays off.
+  m.preprocess = 0
   x = {(i, d): m.add_var(var_type=mip.BINARY) for i in range(n) for d in range(M)}
   s = {t: m.add_var(lb=0.0, ub=horizon) for t in tasks}
   C = m.add_var(lb=0.0, ub=horizon)

@@ -32,8 +32,8 @@ from typing import Any, Mapping
 
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
-from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import heuristics as heur
+from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.plan import Plan

@@ -42,7 +42,7 @@ class SumOnlyCosts(costs_lib.CostModel):
     return 1e-4 * (1 + node.id % 3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _chain_graph(k: int):
   model = toy.Chain(width=16, layers=4, rngs=nnx.Rngs(0))
   spec, _ = microbatch_spec(toy.regression_batch(8), 8, 8 // k)
@@ -275,3 +275,16 @@ def test_infeasible_caps_say_how_many_bytes_are_missing_in_one_line():
     planner.place_problem(prob, opts)
   msg = str(err.value)
   assert "\n" not in msg and "short" in msg and "memory_caps_bytes" in msg
+
+
+def test_reprice_gives_the_lockstep_fields_of_another_schedule():
+  prob = _tiny(False)
+  opts = planner.PlannerOptions(devices=2, microbatches=2, memory_caps_bytes=None, **WORK)
+  plan = planner.place_problem(prob, opts)
+  gpipe = ts.generate("gpipe", prob.num_nodes, prob.edges, plan.assignment, 2, 2)
+  again = planner.reprice(plan, prob, gpipe)
+  assert again.task_schedule == gpipe
+  assert again.lockstep_step_s == pytest.approx(
+    price.lockstep_price(prob, plan.assignment, gpipe).step_s)
+  assert again.device_peak_bytes == tuple(price.peak_memory_bytes(prob, plan.assignment, gpipe))
+  assert again.lockstep_bound_s == plan.lockstep_bound_s <= again.lockstep_step_s + 1e-12

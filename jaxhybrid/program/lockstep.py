@@ -43,7 +43,7 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
 from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.planner.problem import FORWARD_SHARE  # noqa: F401 (re-exported)
+from jaxhybrid.planner.problem import FORWARD_SHARE
 from jaxhybrid.program import executor
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
