@@ -12,7 +12,16 @@ every case within --time_limit_s, the
 MILP never worse than a heuristic, and the Inception-V3 2-way speedup printed beside the paper's
 1.32x (PAPER.md). The gap is (makespan - lower bound) / makespan, with the bound proven as
 planner/place.py describes; with k > 1 the cases run until the gap tolerance or the time limit,
-so their times depend on the load of the machine.
+so their times depend on the load of the machine. These cases plan the fused forward+backward
+tasks (objective='makespan', no memory cap), as DLPlacer does.
+
+  python experiments/bench_planner.py --fbw --out=experiments/results/bench_planner_fbw.json
+
+F/B/W cases (--fbw): the default objective, the lock-step price of the F/B/W task schedule the
+program runs, within memory caps over time from the hardware's device memory (the V100's 16 GiB on
+dgx1-v100). Per case: the chosen plan's lock-step price beside GPipe, 1F1B and ZB-H1 on the best
+contiguous split (within the caps), the lock-step bound, the gap (price - bound) / price, the
+per-device planner memory and the solve time.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 60.0, "Planner time limit per c
 _THREADS = flags.DEFINE_integer("threads", 2, "Solver threads.")
 _GAP = flags.DEFINE_float("gap", 0.01, "Relative gap tolerance.")
 _OUT = flags.DEFINE_string("out", None, "Write the cases as JSON here.")
+_FBW = flags.DEFINE_boolean(
+  "fbw", False, "Run the F/B/W cases (lock-step objective, caps from the device memory) only.")
 _PLANS_DIR = flags.DEFINE_string(
   "plans_dir", None, "Write each case's plan and problem here (default: <out>_plans/ with --out)."
 )
@@ -69,6 +80,8 @@ def _trace(name: str):
 def main(argv):
   del argv
   logging.getLogger("mip").setLevel(logging.WARNING)
+  if _FBW.value:
+    return _main_fbw()
   cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
   cases = []
   plans_dir = _PLANS_DIR.value
@@ -85,7 +98,7 @@ def main(argv):
       for k in (int(v) for v in _MICROBATCHES.value):
         opts = planner.PlannerOptions(
           devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
-          gap=_GAP.value,
+          gap=_GAP.value, objective="makespan", memory_caps_bytes=None,
         )
         problem = planner.Problem.from_graph(graph, cost_model, opts)  # what place() solves
         start = time.perf_counter()
@@ -122,6 +135,78 @@ def main(argv):
         f" max gap {max(c['gap'] for c in cases):.2%}, MILP never worse than a heuristic: "
         f"{all(c['milp_not_worse'] for c in cases)}, within the time limit + 5 %: "
         f"{within}/{len(cases)}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(cases, f, indent=1)
+
+
+def _main_fbw():
+  """The F/B/W cases (see the module docstring)."""
+  cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
+  plans_dir = _PLANS_DIR.value
+  if plans_dir is None and _OUT.value:
+    plans_dir = os.path.splitext(_OUT.value)[0] + "_plans"
+  if plans_dir:
+    os.makedirs(plans_dir, exist_ok=True)
+  print(f"{'model':<13}{'M':>2}{'k':>3}{'nodes':>6}{'time_s':>8}{'lockstep_ms':>13}{'bound_ms':>10}"
+        f"{'gap':>8}  baselines on the best contiguous split (ms)        found_by / peak GiB")
+  cases = []
+  gib = float(1 << 30)
+  for name in _MODELS.value:
+    graph = _trace(name)
+    for m in (int(v) for v in _DEVICES.value):
+      for k in (int(v) for v in _MICROBATCHES.value):
+        opts = planner.PlannerOptions(
+          devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
+          gap=_GAP.value,
+        )
+        problem = planner.Problem.from_graph(graph, cost_model, opts)
+        start = time.perf_counter()
+        try:
+          plan = planner.place_problem(problem, opts)
+        except planner.InfeasibleError as err:
+          print(f"{name:<13}{m:>2}{k:>3}  infeasible: {err}", flush=True)
+          cases.append(dict(model=name, devices=m, microbatches=k, infeasible=str(err)))
+          continue
+        solve_time_s = time.perf_counter() - start
+        step, bound = plan.lockstep_step_s, plan.lockstep_bound_s
+        base = dict(plan.lockstep_baselines)
+        caps = plan.memory_caps_bytes
+        case = dict(
+          model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
+          solve_time_s=solve_time_s, time_limit_s=_TIME_LIMIT.value,
+          within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
+          lockstep_step_s=step, lockstep_bound_s=bound,
+          gap=(step - bound) / step if step > 0 else 0.0,
+          baselines=base,
+          not_worse_than_baselines=all(step <= v * (1 + 1e-12) for v in base.values()),
+          gain_over_best_baseline=(min(base.values()) / step - 1) if base and step else None,
+          lockstep_found_by=plan.lockstep_found_by,
+          schedule_kind=getattr(plan.task_schedule, "kind", str(plan.task_schedule)),
+          single_device_s=plan.single_device_s, lockstep_speedup=plan.lockstep_speedup,
+          device_peak_bytes=list(plan.device_peak_bytes), memory_caps_bytes=list(caps),
+          fits=all(b <= c for b, c in zip(plan.device_peak_bytes, caps)) if caps else True,
+          fused_makespan=plan.predicted_step_s, costs_fingerprint=problem.digest(),
+        )
+        if plans_dir:
+          case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))
+        cases.append(case)
+        if _OUT.value:  # after every case: a crash keeps the cases done
+          with open(_OUT.value, "w") as f:
+            json.dump(cases, f, indent=1)
+        bl = " ".join(f"{h}={v * 1e3:.2f}" for h, v in base.items())
+        peaks = "/".join(f"{b / gib:.1f}" for b in plan.device_peak_bytes)
+        print(f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{solve_time_s:>8.2f}{step * 1e3:>13.2f}"
+              f"{bound * 1e3:>10.2f}{case['gap']:>8.2%}  {bl:<50} {plan.lockstep_found_by} "
+              f"{peaks}", flush=True)
+  done = [c for c in cases if "lockstep_step_s" in c]
+  if done:
+    times = [c["solve_time_s"] for c in done]
+    print(f"cases {len(done)} (+{len(cases) - len(done)} infeasible): max time {max(times):.1f}s, "
+          f"median {statistics.median(times):.1f}s, max gap {max(c['gap'] for c in done):.2%}, "
+          f"never worse than GPipe/1F1B/ZB-H1 on the best contiguous split: "
+          f"{all(c['not_worse_than_baselines'] for c in done)}, all fit: "
+          f"{all(c['fits'] for c in done)}")
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(cases, f, indent=1)

@@ -312,6 +312,9 @@ def parallelize(
     opts = dict(planner_options or {})
     opts.setdefault("microbatches", microbatches)
     opts.setdefault("method", planner)
+    if isinstance(prog_opts.get("schedule"), str):
+      # The planner picks the schedule of the kind the program is asked to run (plus order).
+      opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
     plan = planner_lib.place(g, c, devices=model_ax, **opts)
     plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=True)
     if jax.process_count() > 1:
@@ -328,6 +331,9 @@ def parallelize(
   order = structure.plan_order(plan.schedule)
   if plan.task_schedule and "schedule" not in prog_opts:
     prog_opts["schedule"] = plan.task_schedule  # the schedule a saved plan was run with
+  elif (isinstance(plan.task_schedule, planner_lib.TaskSchedule)
+        and prog_opts.get("schedule") == plan.task_schedule.kind):
+    prog_opts["schedule"] = plan.task_schedule  # the planned schedule of the asked kind
   try:
     prog = program_lib.HybridProgram.build(
       g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
@@ -335,7 +341,12 @@ def parallelize(
     )
   except ValueError as e:
     raise ValueError(f"{e}") from None
-  # The plan records the task schedule the program runs (plan.json carries it; schema 2).
+  # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
+  # its lock-step price and memory are those of that schedule (schema 3).
+  if plan.lockstep_step_s and prog.schedule != plan.task_schedule:
+    opts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches).replace(
+      **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
+    plan = planner_lib.reprice(plan, planner_lib.Problem.from_graph(g, c, opts), prog.schedule)
   plan = dataclasses.replace(plan, task_schedule=prog.schedule)
   return Hybrid(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
@@ -354,7 +365,10 @@ def _check_plan(
 
   if devices < 2 or len(set(plan.assignment)) < 2:
     return plan, None
-  single = planner_lib.place(g, costs, devices=devices, microbatches=microbatches, method="single")
+  # The single-device reference is priced, not run: no memory cap (the planner's default caps
+  # every device at its memory, which a paper-size model on one device exceeds).
+  single = planner_lib.place(g, costs, devices=devices, microbatches=microbatches, method="single",
+                             memory_caps_bytes=None)
   sched = program_options.get("schedule") or plan.task_schedule or None
   kw = {
     "pack_max_bytes": program_options.get("pack_max_bytes"),

@@ -3,7 +3,7 @@
 from jaxhybrid.planner.bounds import lower_bound
 from jaxhybrid.planner.gantt import gantt
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
-from jaxhybrid.planner.place import place, place_problem
+from jaxhybrid.planner.place import place, place_problem, reprice
 from jaxhybrid.planner.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.problem import Problem
 from jaxhybrid.planner.schedule import Task, Transfer, validate_schedule
@@ -22,5 +22,6 @@ __all__ = [
   "lower_bound",
   "place",
   "place_problem",
+  "reprice",
   "validate_schedule",
 ]

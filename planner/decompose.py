@@ -128,18 +128,7 @@ def _map_candidate(cand: Candidate, a, b, ra, rb, uniform, group, M) -> Candidat
 
 def _sub_problem(problem: Problem, nodes: Sequence[int]) -> Problem:
   """The induced sub-problem on `nodes` (sorted), renumbered 0..len-1."""
-  index = {v: r for r, v in enumerate(nodes)}
-  keep = [e for e, (s, d) in enumerate(problem.edges) if s in index and d in index]
-  return dataclasses.replace(
-    problem,
-    names=tuple(problem.names[v] for v in nodes),
-    compute_s=tuple(problem.compute_s[v] for v in nodes),
-    static_bytes=tuple(problem.static_bytes[v] for v in nodes),
-    activation_bytes=tuple(problem.activation_bytes[v] for v in nodes),
-    edges=tuple((index[problem.edges[e][0]], index[problem.edges[e][1]]) for e in keep),
-    edge_bytes=tuple(problem.edge_bytes[e] for e in keep),
-    transfer_s=tuple(problem.transfer_s[e] for e in keep),
-  )
+  return problem.subproblem(nodes)
 
 
 def solve(

@@ -6,6 +6,10 @@ import dataclasses
 from typing import Mapping
 
 METHODS = ("milp", "etf", "dp", "interleaved", "single", "local")
+OBJECTIVES = ("lockstep", "makespan")
+# memory_caps_bytes sentinel: cap every device at the hardware's device memory (Problem.
+# device_memory_bytes, from the cost model's hardware spec); no cap when it is unknown (0).
+DEVICE_MEMORY = "device"
 SOLVERS = ("cbc", "highs")
 
 
@@ -38,8 +42,10 @@ class PlannerOptions:
   seed: int = 0
   # Relative optimality gap at which the MILP may stop early.
   gap: float = 0.01
-  # Per-device memory caps in bytes (one value for all devices, or one per device); None = no cap.
-  memory_caps_bytes: int | tuple[int, ...] | None = None
+  # Per-device memory caps in bytes: one value for all devices, or one per device; DEVICE_MEMORY
+  # ('device', the default) = the hardware's device memory when the cost model knows it; None or
+  # 0 = no cap.
+  memory_caps_bytes: int | tuple[int, ...] | str | None = DEVICE_MEMORY
   # MILP backend: 'cbc' (ships with python-mip) or 'highs' (`pip install 'jaxhybrid[highs]'`:
   # mip[highs], plus highsbox, which python-mip 2.0 loads HiGHS from on Linux).
   solver: str = "cbc"
@@ -116,6 +122,23 @@ class PlannerOptions:
   # Placements each annealing run evaluates per (node, device) pair (heuristics.local_search);
   # None: 20 with one micro-batch, 5000 with k > 1, and the time share ends the run.
   search_evaluations: int | None = None
+  # What the returned plan minimises. 'lockstep' (default): the lock-step price of the F/B/W
+  # task schedule the program runs (planner.price), within the memory caps over time; the plan
+  # carries that schedule (`task_schedule`) and its price (`lockstep_step_s`); the fused search
+  # below (heuristics, annealing, CP-SAT, MILP) supplies its warm starts. 'makespan': the fused
+  # forward+backward task makespan only (the DLPlacer model; plans as before F/B/W tasks).
+  objective: str = "lockstep"
+  # Share of the time limit for the lock-step search's annealing over placements (fbw_search).
+  lockstep_search_share: float = 0.15
+  # Placements that annealing prices (None: its time share alone stops it). Tests set it.
+  lockstep_evaluations: int | None = None
+  # Task schedules the lock-step search may return: generated 'gpipe', '1f1b', 'zb' (also with
+  # the fused search's forward order as priority), and 'custom' (the F/B/W MILP's own order).
+  # The API passes the program's requested kind here, so that the plan is the schedule it runs.
+  schedule_kinds: tuple[str, ...] = ("gpipe", "1f1b", "zb", "custom")
+  # Problems with at most this many F/B/W tasks also run the F/B/W MILP (fbw_milp.py): its
+  # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
+  fbw_milp_max_tasks: int = 48
 
   @property
   def work_limited(self) -> bool:
@@ -137,10 +160,17 @@ class PlannerOptions:
       raise ValueError(f"gap={self.gap!r}: use a relative gap in [0, 1).")
     if self.solver not in SOLVERS:
       raise ValueError(f"solver={self.solver!r}: use one of {SOLVERS}.")
+    bad = set(self.schedule_kinds) - {"gpipe", "1f1b", "zb", "custom"}
+    if bad or not self.schedule_kinds:
+      raise ValueError(f"schedule_kinds={self.schedule_kinds!r}: use some of gpipe, 1f1b, zb, "
+                       "custom.")
+    if self.objective not in OBJECTIVES:
+      raise ValueError(f"objective={self.objective!r}: use one of {OBJECTIVES}.")
     if self.method not in METHODS:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
-                 "relaxation_share", "prefix_share", "cpsat_share", "milp_share"):
+                 "relaxation_share", "prefix_share", "cpsat_share", "milp_share",
+                 "lockstep_search_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:
@@ -153,24 +183,34 @@ class PlannerOptions:
       )
     if not isinstance(self.search_chains, int) or self.search_chains < 1:
       raise ValueError(f"search_chains={self.search_chains!r}: use an integer >= 1.")
-    for name in ("cpsat_deterministic_time", "milp_max_nodes", "search_evaluations"):
+    for name in ("cpsat_deterministic_time", "milp_max_nodes", "search_evaluations",
+                 "lockstep_evaluations"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"{name}={value!r}: use a positive limit, or None for none.")
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes
-    if caps is not None and not isinstance(caps, int):
+    if isinstance(caps, str) and caps != DEVICE_MEMORY:
+      raise ValueError(f"memory_caps_bytes={caps!r}: use bytes, {DEVICE_MEMORY!r} or None.")
+    if caps is not None and not isinstance(caps, (int, str)):
       if len(caps) != self.devices:
         raise ValueError(
           f"memory_caps_bytes has {len(caps)} entries for devices={self.devices}: give one cap "
           "per device or a single int."
         )
 
-  def caps(self) -> tuple[float, ...] | None:
-    """Returns the memory cap of each device in bytes, or None when uncapped."""
+  def caps(self, device_memory_bytes: int = 0) -> tuple[float, ...] | None:
+    """Returns the memory cap of each device in bytes, or None when uncapped.
+
+    Args:
+      device_memory_bytes: the hardware's memory per device (Problem.device_memory_bytes), the
+        caps under DEVICE_MEMORY; 0 = unknown (no cap).
+    """
     caps = self.memory_caps_bytes
-    if caps is None:
+    if caps == DEVICE_MEMORY:
+      caps = int(device_memory_bytes) or None
+    if caps is None or (isinstance(caps, int) and caps == 0):
       return None
     if isinstance(caps, int):
       return (float(caps),) * self.devices

@@ -14,17 +14,26 @@ overlap across those cuts, so the whole graph is planned at once:
 `Plan.lower_bound_s` is the largest of these proven bounds (CP-SAT's included; the MILP's own
 bound counts only when no orderings were fixed, see PlannerOptions.max_free_pairs), and
 `Plan.gap` is (makespan - lower_bound_s) / makespan.
+
+With objective='lockstep' (the default) the searches above only supply warm starts: the returned
+placement and F/B/W task schedule (`Plan.task_schedule`, what the program runs) minimise the
+lock-step price (planner.price) within the memory caps over time (fbw_search.py; for small
+problems also the F/B/W MILP, fbw_milp.py, whose optimum gives `Plan.lockstep_bound_s`). The
+fused fields (`schedule`, `predicted_step_s`, `lower_bound_s`, `gap`) then describe the fused
+schedule of the returned placement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping
 
 from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import cpsat, decompose, milp, relax
+from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
 from jaxhybrid.planner import heuristics as heur
+from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.plan import Plan
@@ -82,21 +91,32 @@ def place(
 
 
 def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
-  """Raises InfeasibleError when memory cannot fit whatever the placement."""
+  """Raises InfeasibleError when memory cannot fit whatever the placement (k micro-batches'
+  residuals alive per node; k = 0: the F/B/W model, one micro-batch per node, static in total)."""
   if caps is None:
     return
-  mem = problem.memory_bytes(k)
+  mem = problem.memory_bytes(max(k, 1))
   biggest = max(range(problem.num_nodes), key=lambda i: mem[i], default=None)
   if biggest is not None and mem[biggest] > max(caps):
     raise InfeasibleError(
-      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {k} micro-batch(es); "
-      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short)."
+      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {max(k, 1)} "
+      f"micro-batch(es) alive; "
+      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short): "
+      f"{_REMEDY}"
     )
+  if k == 0:  # F/B/W: residuals need not all be alive at once; the static bytes must fit
+    mem = tuple(float(b) for b in problem.static_bytes)
   if sum(mem) > sum(caps):
     raise InfeasibleError(
-      f"The graph needs {sum(mem):.0f} bytes with {k} micro-batch(es); the {problem.devices} "
-      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short)."
+      f"The graph needs {sum(mem):.0f} bytes "
+      f"({f'{k} micro-batch(es) alive' if k else 'static'}); the {problem.devices} "
+      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short): {_REMEDY}"
     )
+
+
+# What to do when the memory caps cannot be met (the end of every InfeasibleError on memory).
+_REMEDY = ("raise memory_caps_bytes (None or 0: no cap), use more devices, fewer micro-batches, "
+           "or a smaller batch or model.")
 
 
 def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Plan:
@@ -121,10 +141,15 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
       "build the problem with the same options."
     )
-  k, caps = opts.microbatches, opts.caps()
+  k, lock_caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
   if opts.method == "milp" and opts.solver == "highs":
     milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
-  _check_memory(problem, k, caps)
+  # With the lock-step objective the caps bind the F/B/W schedule's memory over time (fewer
+  # residuals alive than the fused model's k per node): the fused searches, warm starts only,
+  # run uncapped, and a node needs its static bytes and one micro-batch's residuals at least.
+  lockstep = opts.objective == "lockstep" and opts.method == "milp"
+  caps = None if lockstep else lock_caps
+  _check_memory(problem, 0 if lockstep else k, lock_caps)
   # The MILP with k > 1 micro-batches on several devices: bounds and searches for pipelines.
   pipelined = opts.method == "milp" and k > 1 and problem.devices > 1
   binding = caps is not None and sum(problem.memory_bytes(k)) > min(caps)
@@ -138,6 +163,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     "window": opts.window_search_share if k > 1 else 0.0,
     "cpsat": opts.cpsat_share if pipelined else 0.0,
     "milp": opts.milp_share if pipelined else 1.0 - opts.local_search_share,
+    "lockstep": opts.lockstep_search_share if opts.objective == "lockstep" else 0.0,
   }
   proven = {"analytic": bounds_lib.lower_bound(problem, k)}  # name -> a proven lower bound
   lower = proven["analytic"]
@@ -173,8 +199,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       seeds.append(heur.evaluate(problem, relaxation.assignment, k))
   if opts.method in ("milp", "local") and seeds:
     target = lower * (1 + opts.gap) if opts.method == "milp" else 0.0
-    found["local"] = local = _anneal(problem, opts, clock, phases, seeds[:len(found)], seeds,
-                                     target)
+    found["local"] = local = _anneal(problem, opts, caps, clock, phases, seeds[:len(found)],
+                                     seeds, target)
     if pipelined and opts.cpsat_share > 0 and local.makespan > target:
       found_cp = cpsat.solve(
         problem, k, warm=local, caps=caps, lower_bound=lower,
@@ -240,6 +266,12 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
         status = result.status
         if not result.restricted:  # a restricted MILP's bound holds for its orderings only
           proven["milp"] = result.bound
+  lock = None
+  if opts.objective == "lockstep":
+    lock = _lockstep(problem, opts, lock_caps, found, best, clock, phases)
+    if lock["choice"].assignment != tuple(best.assignment):
+      best = heur.evaluate(problem, lock["choice"].assignment, k)
+      found_by = "lockstep"  # the fused schedule of the lock-step search's placement
   makespan = best.makespan
   bound = audited_bound(proven, makespan)
   gap = (makespan - bound) / makespan if makespan > 0 else 0.0
@@ -247,6 +279,18 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   if status in ("optimal", "feasible"):
     status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"
   single_s = k * sum(problem.compute_s)
+  extra: dict[str, Any] = {"memory_caps_bytes": tuple(lock_caps or ())}
+  if lock is not None:
+    choice = lock["choice"]
+    extra.update(
+      task_schedule=choice.schedule,
+      lockstep_step_s=choice.step_s,
+      lockstep_speedup=single_s / choice.step_s if choice.step_s > 0 else 1.0,
+      lockstep_bound_s=lock["bound"],
+      device_peak_bytes=choice.peak_bytes,
+      lockstep_baselines=lock["baselines"],
+      lockstep_found_by=choice.found_by,
+    )
   return Plan(
     node_names=problem.names,
     assignment=best.assignment,
@@ -270,12 +314,100 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     graph_fingerprint=problem.fingerprint,
     cost_source=problem.cost_source,
     hardware=problem.hardware,
+    **extra,
   )
+
+
+def _lockstep(
+  problem: Problem,
+  opts: PlannerOptions,
+  caps: tuple[float, ...] | None,
+  found: Mapping[str, heur.Candidate],
+  best: heur.Candidate,
+  clock: _Clock,
+  phases: dict[str, float],
+) -> dict[str, Any]:
+  """The lock-step search (fbw_search) from the fused searches' placements and orders.
+
+  With `opts.method` naming a heuristic only that heuristic's placement is kept (its best
+  schedule is chosen); else every placement found seeds the search, and problems with at most
+  `fbw_milp_max_tasks` tasks also run the F/B/W MILP (fbw_milp) for a bound and a candidate.
+
+  Returns:
+    {'choice': fbw_search.Choice, 'baselines': {...}, 'bound': seconds}.
+
+  Raises:
+    InfeasibleError: no schedule of any candidate fits the caps (the message says by how many
+      bytes the closest one missed).
+  """
+  k = opts.microbatches
+
+  def order(c: heur.Candidate) -> list[tuple[int, int]]:
+    return sorted(((i, m) for i in range(problem.num_nodes) for m in range(k)),
+                  key=lambda t: (c.starts[t[0]][t[1]], t))
+
+  bound = fbw_search.simple_bound(problem, k)
+  if opts.method != "milp":
+    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best),
+                                   kinds=opts.schedule_kinds)
+    if got is None:
+      raise InfeasibleError(_short_message(problem, [best.assignment], k, caps))
+    name, schedule, step, mem = got
+    choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
+                               f"{opts.method}/{name}")
+    return {"choice": choice, "baselines": {}, "bound": bound}
+  extra = []
+  budget = clock.share("lockstep", phases)
+  t_end = time.monotonic() + budget
+  optima = []  # the F/B/W MILP's bound per family (unsplit, split)
+  for split in (False, True):
+    tasks = problem.num_nodes * k * (3 if split else 2)
+    if "custom" not in opts.schedule_kinds:
+      break  # its order could not be returned; the simple bound stands
+    if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
+      break
+    res = fbw_milp.solve(
+      problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, budget / 4),
+      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+    )
+    optima.append(res.bound)
+    if res.schedule is not None:
+      extra.append((f"fbw_milp_{'zb' if split else 'fb'}", res.assignment, res.schedule))
+  if len(optima) == 2:
+    # The plan's schedule is split or not: the smaller optimum bounds both families.
+    bound = max(bound, min(optima))
+  # The fused search's placements, the shortest fused makespan first (priced first if time is short).
+  seeds = {name: (c.assignment, order(c))
+           for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
+  choice, baselines = fbw_search.search(
+    problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
+    evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
+    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap),
+  )
+  if choice is None:
+    raise InfeasibleError(_short_message(
+      problem, [c.assignment for c in found.values()], k, caps))
+  return {"choice": choice, "baselines": baselines, "bound": bound}
+
+
+def _short_message(
+  problem: Problem, placements: list[tuple[int, ...]], k: int, caps: tuple[float, ...] | None
+) -> str:
+  """One line: by how many bytes the closest placement's best schedule misses the caps."""
+  short = float("inf")
+  for assign in placements + fbw_search.contiguous_splits(problem):
+    for _, schedule in fbw_search.schedules_for(problem, assign, k):
+      mem = price_lib.peak_memory_bytes(problem, assign, schedule)
+      short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
+  return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
+          f"{k} micro-batch(es): the closest is {short:.0f} bytes short on its fullest device; "
+          f"{_REMEDY}")
 
 
 def _anneal(
   problem: Problem,
   opts: PlannerOptions,
+  caps: tuple[float, ...] | None,
   clock: _Clock,
   phases: dict[str, float],
   heuristics: list[heur.Candidate],
@@ -289,7 +421,7 @@ def _anneal(
   plan is therefore never worse than), the others from the best of `seeds` (the heuristics and
   the relaxation's placement), with seeds opts.seed, opts.seed + 1, ...
   """
-  k, caps = opts.microbatches, opts.caps()
+  k = opts.microbatches
   chains = 1 if k == 1 else opts.search_chains
   per_pair = opts.search_evaluations or (_K1_EVALUATIONS if k == 1 else _PIPELINE_EVALUATIONS)
   budget = clock.share("annealing", phases)
@@ -364,3 +496,21 @@ class _Clock:
       del phases[n]
     left = max(0.0, self._deadline - time.monotonic())
     return max(_MIN_PHASE_S, left * weight / total if total > 0 else left)
+
+
+def reprice(plan: Plan, problem: Problem, schedule: Any) -> Plan:
+  """`plan` with its lock-step fields (`task_schedule`, `lockstep_step_s`, `lockstep_speedup`,
+  `device_peak_bytes`) for another task schedule of its placement, e.g. the one a program was
+  asked to run; the bound and the baselines stay (they do not depend on the schedule).
+
+  Args:
+    plan: a plan for `problem`.
+    problem: the problem the plan was made for.
+    schedule: a TaskSchedule of plan.assignment.
+  """
+  step = price_lib.lockstep_price(problem, plan.assignment, schedule).step_s
+  return dataclasses.replace(
+    plan, task_schedule=schedule, lockstep_step_s=step,
+    lockstep_speedup=plan.single_device_s / step if step > 0 else 1.0,
+    device_peak_bytes=tuple(price_lib.peak_memory_bytes(problem, plan.assignment, schedule)),
+  )

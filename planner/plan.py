@@ -13,8 +13,11 @@ from jaxhybrid.planner.task_schedule import TaskSchedule
 
 # 2: adds `task_schedule` (the F/B/W tasks the program runs). Version-1 plans still load; their
 # program runs GPipe (all forwards, then all backwards), which is what version-1 programs ran.
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: adds the lock-step fields (`lockstep_step_s`, `lockstep_speedup`, `lockstep_bound_s`,
+# `device_peak_bytes`, `memory_caps_bytes`, `lockstep_baselines`, `lockstep_found_by`); older plans
+# load with them empty (0.0: not priced).
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,9 +70,30 @@ class Plan:
   graph_fingerprint: str = ""
   cost_source: str = ""
   hardware: str = ""
+  # ---- The program's step (schema 3). `predicted_step_s` above stays the fused schedule's
+  # makespan; these price the F/B/W `task_schedule` the program runs, in lock step. ----
+  # Lock-step price of `task_schedule` on `assignment` (planner.price.lockstep_price: groups'
+  # busiest devices + messages; no per-byte optimizer/fill passes); 0.0 = not priced.
+  lockstep_step_s: float = 0.0
+  # single_device_s / lockstep_step_s; 0.0 = not priced.
+  lockstep_speedup: float = 0.0
+  # A proven lower bound on the lock-step price of any plan within the memory caps (the F/B/W
+  # MILP's for small problems, else fbw_search.simple_bound); 0.0 = none.
+  lockstep_bound_s: float = 0.0
+  # Planner memory per device (price.peak_memory_bytes: static bytes + residuals over the
+  # device's task order), bytes; () = not computed.
+  device_peak_bytes: tuple[float, ...] = ()
+  # The caps the plan was made under (bytes per device); () = none.
+  memory_caps_bytes: tuple[float, ...] = ()
+  # Lock-step prices of 'gpipe', '1f1b' and 'zb' on the best contiguous split within the caps.
+  lockstep_baselines: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  # Which search found (assignment, task_schedule) and with which schedule, e.g. 'cpsat/1f1b'.
+  lockstep_found_by: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "heuristics", types.MappingProxyType(dict(self.heuristics)))
+    object.__setattr__(self, "lockstep_baselines",
+                       types.MappingProxyType(dict(self.lockstep_baselines)))
 
   def device_loads(self) -> list[float]:
     """Seconds of compute per device (all micro-batches)."""
@@ -91,6 +115,9 @@ class Plan:
     out["schedule"] = [dataclasses.asdict(t) for t in self.schedule]
     out["transfers"] = [dataclasses.asdict(t) for t in self.transfers]
     out["heuristics"] = dict(self.heuristics)
+    out["lockstep_baselines"] = dict(self.lockstep_baselines)
+    out["device_peak_bytes"] = list(self.device_peak_bytes)
+    out["memory_caps_bytes"] = list(self.memory_caps_bytes)
     ts = self.task_schedule
     out["task_schedule"] = ts.to_dict() if isinstance(ts, TaskSchedule) else ts
     for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
@@ -122,6 +149,8 @@ class Plan:
       kw["transfers"] = tuple(Transfer(**t) for t in data.get("transfers", ()))
       for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
         kw[key] = tuple(data[key])
+      for key in ("device_peak_bytes", "memory_caps_bytes"):
+        kw[key] = tuple(data.get(key, ()))
       return cls(**kw)
     except (KeyError, TypeError) as err:
       raise ValueError(f"Malformed plan: {err}") from err
@@ -166,6 +195,14 @@ class Plan:
       f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.predicted_speedup:.3f}x, "
       f"lower bound {self.lower_bound_s * 1e3:.3f} ms",
       "  heuristics: " + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.heuristics.items()),
+    ]
+    if self.lockstep_step_s:
+      lines.append(
+        f"  lock-step (the program's schedule): {self.lockstep_step_s * 1e3:.3f} ms, MP speedup "
+        f"{self.lockstep_speedup:.3f}x, bound {self.lockstep_bound_s * 1e3:.3f} ms, found by "
+        f"{self.lockstep_found_by}; baselines on the best contiguous split: "
+        + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.lockstep_baselines.items()))
+    lines += [
       f"  costs: {self.cost_source} {self.hardware}; graph {self.graph_fingerprint}",
     ]
     width = max((len(n) for n in self.node_names), default=4)
@@ -176,7 +213,12 @@ class Plan:
       )
     for d, (load, mem) in enumerate(zip(self.device_loads(), self.device_memory())):
       busy = load / self.predicted_step_s if self.predicted_step_s else 0.0
+      peak = (f", peak over the schedule {self.device_peak_bytes[d] / 2**20:.1f} MiB"
+              if d < len(self.device_peak_bytes) else "")
+      cap = (f" (cap {self.memory_caps_bytes[d] / 2**20:.1f} MiB)"
+             if d < len(self.memory_caps_bytes) else "")
       lines.append(
         f"  device {d}: load {load * 1e3:.3f} ms ({busy:.0%} busy), memory {mem / 2**20:.1f} MiB"
+        + peak + cap
       )
     return "\n".join(lines)

@@ -3,6 +3,12 @@
 A `Problem` is what the MILP and the heuristics read: per-node compute time p_i and memory, edges
 with their transfer time for every (source device, destination device) pair, and M. Tests build
 problems by hand with `Problem.build`; `Problem.from_graph` reads a traced OpGraph and a cost model.
+
+F/B/W tasks (planner.price, planner.fbw_milp): p_i splits into the forward F (`forward_s`), the
+input cotangent B (`input_grad_s`) and the weight gradient W (the rest); unsplit schedules run
+B + W as one task. Messages carry *values* (a node's outputs; an edge carries some of them) per
+direction: activations forward, cotangents (float values only) backward. A value sent to a
+device is sent once whatever the number of its readers there, as the program does.
 """
 
 from __future__ import annotations
@@ -12,7 +18,19 @@ import hashlib
 import json
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxhybrid.planner.options import PlannerOptions
+
+# Share of a node's forward + backward time that is the forward, when a cost model gives only the
+# sum (assumption: the backward costs twice the forward, the usual figure for matmul-dominated
+# layers; Kaplan et al. 2020). The program's lock-step model (program.lockstep) uses the same.
+FORWARD_SHARE = 1.0 / 3.0
+# Share of the backward that is the input cotangent (B) when a schedule splits B and W and no
+# split is given (assumption: a matmul's two backward products cost the same).
+INPUT_GRAD_SHARE = 0.5
+# Dtype of the values of hand-built problems (one per edge).
+DEFAULT_VALUE_DTYPE = "float32"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,9 +61,58 @@ class Problem:
   fingerprint: str = ""
   cost_source: str = "manual"
   hardware: str = ""
+  # ---- F/B/W tasks (defaults keep problems built before they existed valid) ----
+  # Forward seconds per node per micro-batch; () = FORWARD_SHARE * compute_s.
+  forward_s: tuple[float, ...] = ()
+  # Input-cotangent (B of split schedules) seconds per node; () = INPUT_GRAD_SHARE of the
+  # backward. The weight gradient W takes the rest: compute_s - forward_s - input_grad_s.
+  input_grad_s: tuple[float, ...] = ()
+  # How many one-way transfers `transfer_s` counts (PlannerOptions.transfer_directions for
+  # `from_graph`; 1 for hand-built problems): one direction of edge e costs
+  # transfer_s[e][a][b] / transfer_directions when no link model is given.
+  transfer_directions: float = 1.0
+  # Values: bytes and dtype name of each, and per edge the ids of the values it carries.
+  # () = one value per edge of edge_bytes bytes and DEFAULT_VALUE_DTYPE.
+  value_bytes: tuple[int, ...] = ()
+  value_dtypes: tuple[str, ...] = ()
+  edge_values: tuple[tuple[int, ...], ...] = ()
+  # Link model per direction, MxM: a message of b bytes from a to b' takes
+  # link_latency_s[a][b'] + b * link_s_per_byte[a][b'] (0 on the diagonal). () = no link model:
+  # one direction of an edge costs transfer_s[e][a][b] / transfer_directions, and a message the
+  # sum of its edges' times.
+  link_latency_s: tuple[tuple[float, ...], ...] = ()
+  link_s_per_byte: tuple[tuple[float, ...], ...] = ()
+  # Memory of one device in bytes (the hardware's), the default memory cap; 0 = unknown.
+  device_memory_bytes: int = 0
 
   def __post_init__(self):
     n = len(self.names)
+    if not self.forward_s:
+      object.__setattr__(self, "forward_s", tuple(FORWARD_SHARE * p for p in self.compute_s))
+    if not self.input_grad_s:
+      object.__setattr__(self, "input_grad_s", tuple(
+        INPUT_GRAD_SHARE * (p - f) for p, f in zip(self.compute_s, self.forward_s)))
+    if not self.edge_values:
+      object.__setattr__(self, "value_bytes", tuple(int(b) for b in self.edge_bytes))
+      object.__setattr__(self, "value_dtypes", (DEFAULT_VALUE_DTYPE,) * len(self.edges))
+      object.__setattr__(self, "edge_values", tuple((e,) for e in range(len(self.edges))))
+    for field in ("forward_s", "input_grad_s"):
+      if len(getattr(self, field)) != n:
+        raise ValueError(f"Problem.{field} has {len(getattr(self, field))} entries for {n} nodes.")
+    for i, (p, f, b) in enumerate(zip(self.compute_s, self.forward_s, self.input_grad_s)):
+      if not (0 <= f <= p + 1e-15 and 0 <= b <= p - f + 1e-15):
+        raise ValueError(
+          f"node {i}: forward_s={f} and input_grad_s={b} must be >= 0 and sum to at most "
+          f"compute_s={p}.")
+    if len(self.edge_values) != len(self.edges):
+      raise ValueError("Problem.edge_values needs one entry per edge.")
+    if len(self.value_bytes) != len(self.value_dtypes):
+      raise ValueError("Problem.value_bytes and value_dtypes need one entry per value.")
+    for link in (self.link_latency_s, self.link_s_per_byte):
+      if link and (len(link) != self.devices or any(len(r) != self.devices for r in link)):
+        raise ValueError(f"link_latency_s and link_s_per_byte must be {self.devices}x{self.devices}.")
+    if bool(self.link_latency_s) != bool(self.link_s_per_byte):
+      raise ValueError("give both link_latency_s and link_s_per_byte, or neither.")
     for field in ("compute_s", "static_bytes", "activation_bytes"):
       if len(getattr(self, field)) != n:
         raise ValueError(f"Problem.{field} has {len(getattr(self, field))} entries for {n} nodes.")
@@ -67,6 +134,77 @@ class Problem:
   @property
   def num_nodes(self) -> int:
     return len(self.names)
+
+  def weight_grad_s(self, i: int) -> float:
+    """W of node i: the backward less the input cotangent."""
+    return max(0.0, self.compute_s[i] - self.forward_s[i] - self.input_grad_s[i])
+
+  def task_s(self, kind: str, i: int, split: bool) -> float:
+    """Seconds of task `kind` ('F', 'B', 'W') of node i; unsplit, B is the whole backward."""
+    if kind == "F":
+      return self.forward_s[i]
+    if kind == "B":
+      return self.input_grad_s[i] if split else self.compute_s[i] - self.forward_s[i]
+    if kind == "W" and split:
+      return self.weight_grad_s(i)
+    raise ValueError(f"task kind {kind!r} (split={split}) is not F, B or W")
+
+  def is_float(self, value: int) -> bool:
+    """Whether value has a cotangent (floating dtypes)."""
+    return bool(np.issubdtype(np.dtype(self.value_dtypes[value]), np.inexact))
+
+  def has_cotangent(self, e: int) -> bool:
+    """Whether edge e carries a float value (then its consumer's B sends a cotangent back)."""
+    return any(self.is_float(v) for v in self.edge_values[e])
+
+  def edge_value_bytes(self, e: int, backward: bool) -> int:
+    """Bytes edge e carries one way: its values forward, their cotangents backward."""
+    return sum(self.value_bytes[v] for v in self.edge_values[e]
+               if not backward or self.is_float(v))
+
+  def link_s(self, nbytes: float, a: int, b: int) -> float:
+    """One message of `nbytes` from device a to b under the link model (needs one)."""
+    if a == b:
+      return 0.0
+    return self.link_latency_s[a][b] + nbytes * self.link_s_per_byte[a][b]
+
+  def direction_s(self, e: int, a: int, b: int, backward: bool) -> float:
+    """Delay of one direction of edge e, the sender on device a and the receiver on b:
+    forward (a holds the source) the activations, backward (a holds the destination) the
+    cotangents; 0 when nothing crosses."""
+    if a == b:
+      return 0.0
+    if backward and not self.has_cotangent(e):
+      return 0.0
+    nbytes = self.edge_value_bytes(e, backward)
+    if self.link_latency_s:
+      return self.link_s(nbytes, a, b)
+    src, dst = (b, a) if backward else (a, b)
+    if not self.transfer_directions:
+      return 0.0
+    return self.transfer_s[e][src][dst] / self.transfer_directions
+
+  def subproblem(self, nodes: Sequence[int]) -> Problem:
+    """The induced sub-problem on `nodes` (sorted), renumbered 0..len-1 (values renumbered)."""
+    index = {v: r for r, v in enumerate(nodes)}
+    keep = [e for e, (s, d) in enumerate(self.edges) if s in index and d in index]
+    used = sorted({v for e in keep for v in self.edge_values[e]})
+    vindex = {v: r for r, v in enumerate(used)}
+    return dataclasses.replace(
+      self,
+      names=tuple(self.names[v] for v in nodes),
+      compute_s=tuple(self.compute_s[v] for v in nodes),
+      static_bytes=tuple(self.static_bytes[v] for v in nodes),
+      activation_bytes=tuple(self.activation_bytes[v] for v in nodes),
+      edges=tuple((index[self.edges[e][0]], index[self.edges[e][1]]) for e in keep),
+      edge_bytes=tuple(self.edge_bytes[e] for e in keep),
+      transfer_s=tuple(self.transfer_s[e] for e in keep),
+      forward_s=tuple(self.forward_s[v] for v in nodes),
+      input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
+      value_bytes=tuple(self.value_bytes[v] for v in used),
+      value_dtypes=tuple(self.value_dtypes[v] for v in used),
+      edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
+    )
 
   def memory_bytes(self, microbatches: int) -> tuple[float, ...]:
     """m_i: bytes node i needs on its device with `microbatches` micro-batches in flight."""
@@ -105,6 +243,9 @@ class Problem:
     memory_bytes: Sequence[int] | None = None,
     activation_bytes: Sequence[int] | None = None,
     edge_bytes: Sequence[int] | None = None,
+    forward_s: Sequence[float] | None = None,
+    input_grad_s: Sequence[float] | None = None,
+    device_memory_bytes: int = 0,
   ) -> Problem:
     """Builds a problem by hand, with the same transfer time between every pair of devices.
 
@@ -118,6 +259,11 @@ class Problem:
       memory_bytes: static bytes per node (default 0).
       activation_bytes: bytes per node per micro-batch (default 0).
       edge_bytes: bytes per edge (default 0; informational).
+      forward_s: forward seconds per node (default FORWARD_SHARE * compute_s).
+      input_grad_s: input-cotangent seconds per node (default half the backward).
+      device_memory_bytes: the default memory cap per device (0 = none).
+
+    With F/B/W tasks each direction of an edge costs its `transfer_s` (transfer_directions 1).
 
     Returns:
       The problem.
@@ -140,6 +286,9 @@ class Problem:
       edge_bytes=tuple(int(b) for b in (edge_bytes or [0] * m)),
       transfer_s=mats,
       devices=devices,
+      forward_s=tuple(float(f) for f in forward_s) if forward_s is not None else (),
+      input_grad_s=tuple(float(b) for b in input_grad_s) if input_grad_s is not None else (),
+      device_memory_bytes=int(device_memory_bytes),
     )
     return dataclasses.replace(prob, fingerprint=prob.digest())
 
@@ -189,9 +338,25 @@ class Problem:
       for k in keys
     )
     weight = 1.0 + options.optimizer_state_factor + options.gradient_factor
+    total = [float(costs.node_time_s(n)) for n in nodes]
+    if hasattr(costs, "forward_time_s"):
+      fwd = tuple(min(float(costs.forward_time_s(n)), t) for n, t in zip(nodes, total))
+    else:
+      fwd = tuple(FORWARD_SHARE * t for t in total)
+    values = _values(nodes, keys, merged)
+    link = getattr(costs, "link", None)
+    lat = spb = ()
+    if link is not None:
+      # The link is affine (costs.transfer_time_s: alpha + bytes / bandwidth): read it back.
+      probe = float(1 << 20)
+      lat = tuple(tuple(0.0 if a == b else float(costs.transfer_time_s(0, a, b))
+                        for b in range(M)) for a in range(M))
+      spb = tuple(tuple(0.0 if a == b else (float(costs.transfer_time_s(probe, a, b)) - lat[a][b])
+                        / probe for b in range(M)) for a in range(M))
+    hw = getattr(costs, "hardware", None) or link
     return cls(
       names=tuple(str(n.name) for n in nodes),
-      compute_s=tuple(float(costs.node_time_s(n)) for n in nodes),
+      compute_s=tuple(total),
       static_bytes=tuple(int(round(n.param_bytes * weight)) for n in nodes),
       activation_bytes=tuple(int(round(n.out_bytes * options.activation_factor)) for n in nodes),
       edges=tuple(keys),
@@ -201,4 +366,44 @@ class Problem:
       fingerprint=str(graph.fingerprint()),
       cost_source=str(getattr(costs, "source", "unknown")),
       hardware=str(getattr(costs, "hardware_name", "")),
+      forward_s=fwd,
+      transfer_directions=float(options.transfer_directions),
+      value_bytes=values[0],
+      value_dtypes=values[1],
+      edge_values=values[2],
+      link_latency_s=lat,
+      link_s_per_byte=spb,
+      device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
     )
+
+
+def _values(
+  nodes: Sequence[Any], keys: Sequence[tuple[int, int]], merged: dict[tuple[int, int], int]
+) -> tuple[tuple[int, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:
+  """(value bytes, value dtypes, per edge its value ids) from the nodes' outvars and invars
+  (the variables that cross an edge); an edge whose variables are unknown gets one float32
+  value of its bytes."""
+  ids: dict[Any, int] = {}
+  vbytes: list[int] = []
+  vdtypes: list[str] = []
+  per_edge = []
+  for s, d in keys:
+    outs = list(getattr(nodes[s], "outvars", ()) or ())
+    ins = set(id(v) for v in (getattr(nodes[d], "invars", ()) or ()))
+    crossing = [v for v in outs if id(v) in ins and hasattr(getattr(v, "aval", None), "dtype")]
+    if not crossing:
+      ids[("edge", s, d)] = len(vbytes)
+      vbytes.append(merged[(s, d)])
+      vdtypes.append(DEFAULT_VALUE_DTYPE)
+      per_edge.append((ids[("edge", s, d)],))
+      continue
+    row = []
+    for v in crossing:
+      if id(v) not in ids:
+        ids[id(v)] = len(vbytes)
+        dt = np.dtype(v.aval.dtype)
+        vbytes.append(int(np.prod(v.aval.shape, dtype=np.int64)) * dt.itemsize)
+        vdtypes.append(dt.name)
+      row.append(ids[id(v)])
+    per_edge.append(tuple(row))
+  return tuple(vbytes), tuple(vdtypes), tuple(per_edge)

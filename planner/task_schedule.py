@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
+
+from jaxhybrid.planner.problem import FORWARD_SHARE
 
 KINDS = ("gpipe", "1f1b", "zb")
 DEFAULT_KIND = "1f1b"
@@ -236,11 +238,27 @@ def generate(
   w_pending = [0] * devices
   now = 0.0
 
-  def ready(op: Op) -> bool:
-    return all(dep in done and done[dep] <= now for dep in dependencies(op, preds, succs, split))
+  # A task is ready once every task it depends on has finished (popped from `running`): kept
+  # incrementally (a count of unfinished dependencies per task) instead of re-checked per pick.
+  waiting: dict[Op, int] = {}
+  dependents: dict[Op, list[Op]] = {}
+  for d in todo:
+    for op in todo[d]:
+      deps = dependencies(op, preds, succs, split)
+      waiting[op] = len(deps)
+      for dep in deps:
+        dependents.setdefault(dep, []).append(op)
+  ready_set = [{op for op in todo[d] if waiting[op] == 0} for d in range(devices)]
+  f_left = [sum(op.kind == "F" for op in todo[d]) for d in range(devices)]
+
+  def finish(op: Op) -> None:
+    for other in dependents.get(op, ()):
+      waiting[other] -= 1
+      if waiting[other] == 0:
+        ready_set[assignment[other.node]].add(other)
 
   def pick(d: int, relax: bool) -> Op | None:
-    cands = [op for op in todo[d] if ready(op)]
+    cands = list(ready_set[d])
     if not cands:
       return None
     fs = [op for op in cands if op.kind == "F"]
@@ -249,7 +267,7 @@ def generate(
     if kind == "gpipe":
       if fs:
         return min(fs, key=lambda o: fprio[(o.node, o.microbatch)])
-      if any(op.kind == "F" for op in todo[d]):
+      if f_left[d]:
         return None  # GPipe: the backward waits for every forward on the device
       return min(bs, key=lambda o: (o.microbatch, -topo[o.node]), default=None)
     if ws and w_pending[d] >= depth[d]:
@@ -277,6 +295,8 @@ def generate(
         if op is None:
           continue
         todo[d].discard(op)
+        ready_set[d].discard(op)
+        f_left[d] -= op.kind == "F"
         seq[d].append(op)
         end = now + duration(op)
         busy_until[d] = end
@@ -299,9 +319,11 @@ def generate(
     end, _, op = heapq.heappop(running)
     now = max(now, end)
     done[op] = end
+    finish(op)
     while running and running[0][0] <= now:
       _, _, other = heapq.heappop(running)
       done[other] = now
+      finish(other)
   return TaskSchedule(
     kind=kind, split=split, microbatches=microbatches,
     devices=tuple(tuple(ops) for ops in seq),
@@ -371,7 +393,7 @@ def timeline(
   schedule: TaskSchedule,
   edges: Sequence[tuple[int, int]],
   node_s: Sequence[float],
-  forward_share: float = 1.0 / 3.0,
+  forward_share: float = FORWARD_SHARE,
 ) -> dict[Op, tuple[float, float]]:
   """(start, end) of every task when each device runs its tasks in order, as soon as the tasks
   it depends on (over `edges`; same-device ones are implied by the order) have ended.
@@ -409,3 +431,80 @@ def timeline(
         progress = True
   return out
 
+
+
+def lockstep_groups(
+  schedule: TaskSchedule,
+  edges: Sequence[tuple[int, int]],
+  assignment: Sequence[int],
+  reads: Mapping[Op, Sequence[Op]],
+) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
+  """Slots and groups of a task schedule run in lock step (the rule `program.tasks` builds).
+
+  - A task goes to the first *slot* after its device's previous task and after the slots of the
+    tasks it depends on (`dependencies`) and of the tasks whose values it reads (`reads`).
+  - Consecutive slots merge into one *group* (one `lax.switch`) unless a task of the slot reads
+    a value another device made in the current group, or a device would run a second gradient
+    task (B unsplit, or W) in the group: its parameter gradients leave the conditional in one
+    window of the device's row.
+
+  Args:
+    schedule: the per-device task order.
+    edges: the DAG's edges (src, dst).
+    assignment: node -> device.
+    reads: task -> the tasks that make the values it reads (activations, cotangents, residuals).
+      Tasks absent read nothing beyond their dependencies.
+
+  Returns:
+    (slots, groups): each a list of [(device, task), ...], tasks of a device in schedule order
+    (groups: sorted by device within each slot).
+
+  Raises:
+    ValueError: the device orders wait on each other (no lock-step run exists).
+  """
+  devices = len(schedule.devices)
+  num_nodes = len(assignment)
+  preds, succs = _adjacency(num_nodes, edges)
+  slot_of: dict[Op, int] = {}
+  pos = [0] * devices
+  last = [-1] * devices
+  slots: list[list[tuple[int, Op]]] = []
+  remaining = sum(len(ops) for ops in schedule.devices)
+  while remaining:
+    progress = False
+    for d, ops in enumerate(schedule.devices):
+      while pos[d] < len(ops):
+        op = ops[pos[d]]
+        deps = list(reads.get(op, ())) + dependencies(op, preds, succs, schedule.split)
+        if any(t not in slot_of for t in deps):
+          break
+        s = max([last[d] + 1] + [slot_of[t] + 1 for t in deps])
+        while len(slots) <= s:
+          slots.append([])
+        slots[s].append((d, op))
+        slot_of[op] = s
+        last[d] = s
+        pos[d] += 1
+        remaining -= 1
+        progress = True
+    if not progress:
+      raise ValueError("the task schedule cannot run in lock step (device orders wait on each other)")
+  groups: list[list[tuple[int, Op]]] = []
+  made_in: dict[Op, int] = {}  # task of the current group -> its device
+  grad_devices: set[int] = set()  # devices with a gradient task in the current group
+
+  def grad_task(op: Op) -> bool:
+    return op.kind == "W" or (op.kind == "B" and not schedule.split)
+
+  for slot in slots:
+    crosses = any(made_in.get(t, d) != d for d, op in slot for t in reads.get(op, ()))
+    crosses = crosses or any(grad_task(op) and d in grad_devices for d, op in slot)
+    if crosses or not groups:
+      groups.append([])
+      made_in = {}
+      grad_devices = set()
+    grad_devices.update(d for d, op in slot if grad_task(op))
+    for d, op in sorted(slot):
+      groups[-1].append((d, op))
+      made_in[op] = d
+  return slots, groups

@@ -131,7 +131,7 @@ def test_place_uses_the_prefix_bound_for_pipelines(monkeypatch):
 
   monkeypatch.setattr(milp, "solve", no_milp)
   prob = _chain_heavy_links(300, 4, 2)
-  opts = PlannerOptions(devices=2, microbatches=2, time_limit_s=300.0, prefix_assignments=16,
+  opts = PlannerOptions(objective="makespan", devices=2, microbatches=2, time_limit_s=300.0, prefix_assignments=16,
                         milp_max_nodes=20_000, search_evaluations=50, cpsat_deterministic_time=5.0)
   plan = place_problem(prob, opts)
   assert plan.lower_bound_s == pytest.approx(_brute_force(prob, 2), abs=1e-9)

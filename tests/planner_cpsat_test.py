@@ -109,7 +109,7 @@ def test_a_failing_child_process_keeps_the_warm_start(monkeypatch, caplog):
 
 def test_place_runs_the_cpsat_search_before_the_milp():
   prob = _inception_like(blocks=3, devices=2, seed=1)
-  opts = dict(devices=2, microbatches=4, time_limit_s=300.0, threads=1, gap=0.0,
+  opts = dict(objective="makespan", devices=2, microbatches=4, time_limit_s=300.0, threads=1, gap=0.0,
               cpsat_deterministic_time=0.3, milp_max_nodes=50, search_evaluations=20)
   plan = planner.place_problem(prob, planner.PlannerOptions(**opts))
   assert "cpsat" in plan.heuristics

@@ -21,7 +21,7 @@ from jaxhybrid.planner.place import audited_bound
 from jaxhybrid.planner.problem import Problem
 
 # Work limits that end every phase on these tiny problems long before the (safety) time limit.
-WORK = dict(time_limit_s=300.0, threads=1, cpsat_deterministic_time=5.0, milp_max_nodes=20_000,
+WORK = dict(objective="makespan", time_limit_s=300.0, threads=1, cpsat_deterministic_time=5.0, milp_max_nodes=20_000,
             search_evaluations=50)
 
 
@@ -183,7 +183,7 @@ def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
   spy("milp", milp, "solve", "time_limit_s")
   prob = _inception_like(blocks=2, devices=2, seed=3)
   limit = 20.0
-  opts = planner.PlannerOptions(devices=2, microbatches=4, time_limit_s=limit, threads=1,
+  opts = planner.PlannerOptions(objective="makespan", devices=2, microbatches=4, time_limit_s=limit, threads=1,
                                 gap=0.0, cpsat_deterministic_time=0.5, milp_max_nodes=50,
                                 search_evaluations=20, prefix_share=1.0, relaxation_share=1.0,
                                 pipeline_search_share=1.0, cpsat_share=1.0, milp_share=1.0)

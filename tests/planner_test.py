@@ -16,7 +16,9 @@ from jaxhybrid.planner.problem import Problem
 
 # Every phase stops by a work limit, not the clock, so results do not depend on the machine's
 # load; the time limit is only a safety net far above what the work takes here.
-FAST = dict(time_limit_s=300.0, threads=1, gap=0.0, cpsat_deterministic_time=5.0,
+# objective="makespan": these tests check the fused (DLPlacer) search itself; the lock-step
+# objective is tested in planner_fbw_test.py.
+FAST = dict(objective="makespan", time_limit_s=300.0, threads=1, gap=0.0, cpsat_deterministic_time=5.0,
             milp_max_nodes=20_000, search_evaluations=50)
 
 

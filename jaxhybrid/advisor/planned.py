@@ -188,8 +188,10 @@ def search(
     raise ValueError(f"per_worker_batch={b}: no micro-batch count of {config.microbatches} "
                      "divides it; give a k that does (e.g. 1).")
   cap = hw.memory_bytes * config.usable_memory_fraction
+  # No planner memory cap: the advisor checks each candidate's memory itself (fits_memory, with
+  # usable_memory_fraction) and keeps the ones that do not fit in its table.
   opts = dict(threads=config.threads, seed=config.seed, time_limit_s=config.time_limit_s,
-              optimizer_state_factor=config.optimizer_state_factor)
+              optimizer_state_factor=config.optimizer_state_factor, memory_caps_bytes=None)
   graphs = {k: trace_fn(b // k) for k in ks}
   base = graphs[1] if 1 in graphs else trace_fn(b)
   one = planner_lib.place(base, costs, devices=1, microbatches=1, method="single", **opts)

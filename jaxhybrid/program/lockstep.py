@@ -11,7 +11,7 @@ group lasts as long as its busiest device, and messages are paid one after anoth
 
 t(F) is the node's forward time, t(B) its backward time (input cotangent and weight gradient)
 and, split, t(B) = t(W) = half of it. Cost models that give only forward + backward
-(`node_time_s`) split it with `FORWARD_SHARE` (assumption, named here: the backward costs twice
+(`node_time_s`) split it with `FORWARD_SHARE` (assumption, named in planner.problem: the backward costs twice
 the forward, the usual figure for matmul-dominated layers; Kaplan et al. 2020).
 
 Per-step work outside the tasks, priced when a `PassCosts` is given (`measure_pass_costs`):
@@ -43,13 +43,14 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
 from jaxhybrid.planner import task_schedule as sched_lib
+from jaxhybrid.planner.problem import FORWARD_SHARE
 from jaxhybrid.program import executor
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
 
-# Share of a node's forward + backward time that is the forward when a cost model gives only the
-# sum (assumption: backward = 2 x forward).
-FORWARD_SHARE = 1.0 / 3.0
+# FORWARD_SHARE (imported above, re-exported): the share of a node's forward + backward time that
+# is the forward when a cost model gives only the sum; the planner owns it (planner.problem) so
+# that the planner's prices and the program's use the same figure.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

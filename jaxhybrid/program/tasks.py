@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule, dependencies
+from jaxhybrid.planner.task_schedule import Op, TaskSchedule, lockstep_groups
 
 END = -1  # the "group" of the final read (the loss)
 
@@ -121,11 +121,6 @@ def build(
   """
   devices = len(schedule.devices)
   node_out = {v: n.id for n in graph.nodes for v in n.outvars}
-  preds: list[list[int]] = [[] for _ in graph.nodes]
-  succs: list[list[int]] = [[] for _ in graph.nodes]
-  for e in graph.edges:
-    preds[e.dst].append(e.src)
-    succs[e.src].append(e.dst)
   loss_var = graph.jaxpr.outvars[0]
   k = schedule.microbatches
   # Which node inputs are activations (made by another node), per node, in order, deduplicated.
@@ -178,58 +173,16 @@ def build(
         makes[(d, op)] = made
       else:
         makes[(d, op)] = []
-  maker_task = {key: (d, op) for (d, op), keys in makes.items() for key in keys}
-  # ---- slots: lock-step order of the schedule --------------------------------------------------
-  slot_of: dict[tuple[int, Op], int] = {}
-  pos = [0] * devices
-  last = [-1] * devices
-  slots: list[list[tuple[int, Op]]] = []
-  remaining = sum(len(ops) for ops in schedule.devices)
-  while remaining:
-    progress = False
-    for d, ops in enumerate(schedule.devices):
-      while pos[d] < len(ops):
-        op = ops[pos[d]]
-        deps = [maker_task[key] for key in reads[(d, op)] if key in maker_task]
-        deps += [(d2, dep) for dep in dependencies(op, preds, succs, schedule.split)
-                 for d2 in [assignment[dep.node]]]
-        if any(t not in slot_of for t in deps):
-          break
-        s = max([last[d] + 1] + [slot_of[t] + 1 for t in deps])
-        while len(slots) <= s:
-          slots.append([])
-        slots[s].append((d, op))
-        slot_of[(d, op)] = s
-        last[d] = s
-        pos[d] += 1
-        remaining -= 1
-        progress = True
-    if not progress:
-      raise ValueError("the task schedule cannot run in lock step (device orders wait on each other)")
-  # ---- groups ---------------------------------------------------------------------------------
-  group_of: dict[tuple[int, Op], int] = {}
-  grouped: list[list[tuple[int, Op]]] = []
-  made_in: dict[Any, int] = {}
-  grad_devices: set[int] = set()  # devices with a gradient task in the current group
-
-  def grad_task(op: Op) -> bool:
-    return op.kind == "W" or (op.kind == "B" and not schedule.split)
-
-  for slot in slots:
-    crosses = any(made_in.get(key, d) != d for d, op in slot for key in reads[(d, op)])
-    # One gradient task per device and group: its parameter gradients leave the conditional in
-    # a window of the device's row, as small as one node's parameters.
-    crosses = crosses or any(grad_task(op) and d in grad_devices for d, op in slot)
-    if crosses or not grouped:
-      grouped.append([])
-      made_in = {}
-      grad_devices = set()
-    grad_devices.update(d for d, op in slot if grad_task(op))
-    for d, op in sorted(slot):
-      grouped[-1].append((d, op))
-      group_of[(d, op)] = len(grouped) - 1
-      for key in makes[(d, op)]:
-        made_in[key] = d
+  maker_task = {key: op for (d, op), keys in makes.items() for key in keys}
+  # Slots and groups: the planner's pure rule (task_schedule.lockstep_groups), fed with which
+  # task makes each value a task reads.
+  task_reads = {
+    op: list(dict.fromkeys(maker_task[key] for key in keys if key in maker_task))
+    for (d, op), keys in reads.items()
+  }
+  edges = [(e.src, e.dst) for e in graph.edges]
+  _, grouped = lockstep_groups(schedule, edges, assignment, task_reads)
+  group_of = {task: g for g, tasks in enumerate(grouped) for task in tasks}
   # Readers of each value: (group, device).
   readers: dict[Any, set[tuple[int, int]]] = {}
   for task, keys in reads.items():

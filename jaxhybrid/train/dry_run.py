@@ -37,26 +37,37 @@ def run(config: Any) -> dict[str, Any]:
     paper = paper_scenario.PAPER_MODELS.get(config.model)
     if paper is not None:  # the paper's per-GPU batch, whatever the host
       config = dataclasses.replace(config, batch=paper.per_gpu_batch)
-  config = runner._resolve(config)  # noqa: SLF001 (the run's own defaults)
-  runner.validate(config)
-  os.makedirs(config.workdir, exist_ok=True)
-  _, hybrid, _ = runner.build(config, abstract=True)
-  report = hybrid.program.memory()
   hw_name = config.hardware
   if hw_name is None:
     kind = jax.devices()[0].device_kind.lower()
     hw_name = next((n for n, key in (("dgx-h200", "h200"), ("dgx-h100", "h100"),
                                      ("dgx-a100", "a100"), ("dgx1-v100", "v100")) if key in kind),
                    "dgx1-v100")
+    # Plan for the accelerator the memory is checked against (its costs, and its device memory
+    # as the planner's memory cap), not for this host.
+    config = dataclasses.replace(config, hardware=hw_name)
+  config = runner._resolve(config)  # noqa: SLF001 (the run's own defaults)
+  runner.validate(config)
+  os.makedirs(config.workdir, exist_ok=True)
+  _, hybrid, _ = runner.build(config, abstract=True)
+  report = hybrid.program.memory()
   capacity = hw_lib.get(hw_name).memory_bytes
   table = report.table(capacity)
+  plan_memory = _plan_memory(hybrid.plan, report)
+  if plan_memory["lines"]:
+    table = table + "\n" + "\n".join(plan_memory["lines"])
   results = {
     "config": runner._config_json(config),  # noqa: SLF001
     "dry_run": True,
     "graph": {"nodes": len(hybrid.graph.nodes), "fingerprint": hybrid.graph.fingerprint()},
     "plan": {"summary": hybrid.plan.summary(), "method": hybrid.plan.method,
              "assignment": list(hybrid.plan.assignment),
-             "predicted_speedup": hybrid.plan.predicted_speedup},
+             "predicted_speedup": hybrid.plan.predicted_speedup,
+             "lockstep_step_s": hybrid.plan.lockstep_step_s,
+             "lockstep_speedup": hybrid.plan.lockstep_speedup,
+             "memory_caps_bytes": list(hybrid.plan.memory_caps_bytes),
+             "device_peak_bytes": list(hybrid.plan.device_peak_bytes)},
+    "plan_memory": {k: v for k, v in plan_memory.items() if k != "lines"},
     "schedule": {"kind": hybrid.program.schedule.kind,
                  "in_flight": hybrid.program.schedule.in_flight()},
     "memory": report.to_dict(),
@@ -75,3 +86,32 @@ def run(config: Any) -> dict[str, Any]:
       f"--workdir={config.workdir!r} is not writable ({e.strerror or e}): pass a folder you can "
       "write to") from None
   return results
+
+
+def _plan_memory(plan: Any, report: Any) -> dict[str, Any]:
+  """The planner's memory per device beside the program's compiled (and predicted) memory.
+
+  The planner counts, per device, the static bytes of its nodes (parameters, optimizer state,
+  gradient row) and the residuals alive over its task order (planner.price.peak_memory_bytes).
+  The program is SPMD: its compiled figure is per device and the same on every model-axis device
+  (rows padded to the largest device's), so each device's plan figure is compared with it.
+  """
+  peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
+  compiled = report.compiled
+  out: dict[str, Any] = {"planner_bytes": peaks, "compiled_bytes": compiled,
+                         "predicted_bytes": report.predicted, "lines": []}
+  if not peaks:
+    return out
+  gib = float(1 << 30)
+  lines = ["planner memory per device (static + residuals over its task order) vs the program:"]
+  for d, b in enumerate(peaks):
+    cap = plan.memory_caps_bytes[d] if d < len(plan.memory_caps_bytes) else None
+    row = f"  device {d}: planner {b / gib:7.3f} GiB"
+    if cap:
+      row += f" (cap {cap / gib:.2f} GiB)"
+    if compiled:
+      row += f", compiled {compiled / gib:7.3f} GiB ({compiled / b - 1:+.1%} vs planner)" if b else ""
+    lines.append(row)
+  out["max_ratio_compiled_to_planner"] = (compiled / max(peaks)) if compiled and max(peaks) else None
+  out["lines"] = lines
+  return out

@@ -1,0 +1,271 @@
+"""Pure-number prices of a (placement, task schedule): lock-step step time, memory over time, and
+the asynchronous makespan of the same per-device orders.
+
+The program (jaxhybrid.program) runs a TaskSchedule in lock step: slots and groups by the rule of
+`task_schedule.lockstep_groups`, one `lax.switch` per group, then one `ppermute` per (shift,
+dtype) of the values that leave the group for another device. `lockstep_price` is that structure
+priced with the problem's numbers (program.lockstep.program_step_s prices the program itself):
+
+  T = sum over groups g of  max over devices d of  sum_{tasks of d in g} t(task)
+      + sum over groups g, shifts s, dtypes:  max over devices a of  link(a -> a + s, L)
+
+where L is the longest device's bytes in that message (the message buffer is the union of the
+devices' parts). With no link model in the problem (hand-built problems) a message costs the
+largest sum over senders of its edges' one-way times.
+
+`peak_memory_bytes` is the planner's memory of a device: the static bytes of its nodes (parameters,
+optimizer state, gradient row) plus, maximised over the device's task order, the residuals of
+every F(i, c) whose B(i, c) (W(i, c) when split) has not finished. In-flight messages and the
+program's group buffers are not counted (they are the program's, not the schedule's).
+
+`async_makespan` runs the same per-device orders as soon as their inputs arrive, each edge paying
+its one-way delay (activations forward, cotangents backward). It is what the F/B/W MILP
+(fbw_milp.py) minimises: the lock-step price of a schedule is never below it (fbw_milp's docstring
+says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from jaxhybrid.planner import task_schedule as ts
+from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LockstepPrice:
+  """Predicted lock-step step of a task schedule (seconds), without per-byte passes."""
+
+  # Sum over groups of the busiest device's tasks.
+  compute_s: float
+  # Sum of the message times.
+  transfer_s: float
+  # Number of groups (switches) and of messages (ppermutes).
+  groups: int
+  transfers: int
+
+  @property
+  def step_s(self) -> float:
+    return self.compute_s + self.transfer_s
+
+
+def task_reads(problem: Problem, schedule: TaskSchedule) -> dict[Op, list[Op]]:
+  """Per task, the tasks whose values it reads (as the program wires them).
+
+  F(n, c) reads its predecessors' activations; B(n, c) and W(n, c) read n's residuals (from
+  F(n, c)), n's input activations (arguments the pullback keeps; assumed all of them: it does not
+  change slots or groups, as F(n, c) already reads them) and the cotangents the B tasks of n's
+  consumers send back (edges with float values only).
+  """
+  preds = problem.predecessors()
+  succs = problem.successors()
+  out: dict[Op, list[Op]] = {}
+  for ops in schedule.devices:
+    for op in ops:
+      n, c = op.node, op.microbatch
+      fwd_in = [Op("F", p, c) for p, _ in preds[n]]
+      if op.kind == "F":
+        out[op] = fwd_in
+      else:
+        cts = [Op("B", s, c) for s, e in succs[n] if problem.has_cotangent(e)]
+        out[op] = [Op("F", n, c)] + fwd_in + cts
+  return out
+
+
+def groups_of(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
+) -> list[list[tuple[int, Op]]]:
+  """The lock-step groups of `schedule` (task_schedule.lockstep_groups)."""
+  _, groups = ts.lockstep_groups(
+    schedule, problem.edges, assignment, task_reads(problem, schedule))
+  return groups
+
+
+def _messages(
+  problem: Problem, assignment: Sequence[int], group: Sequence[tuple[int, Op]],
+  adjacency: tuple[list, list, list[bool]],
+) -> dict[tuple[int, str], dict[int, list[tuple[int, int, bool]]]]:
+  """(shift, dtype) -> sender -> [(edge, value, backward)] leaving `group` for other devices.
+
+  A forward value goes once to each other device that holds one of its readers; a cotangent goes
+  from B(n, c) to the device of the value's producer (one per consumer, as the program sends)."""
+  M = problem.devices
+  succs, preds, floats = adjacency
+  out: dict[tuple[int, str], dict[int, list[tuple[int, int, bool]]]] = {}
+  for d, op in group:
+    if op.kind == "F":
+      sent: set[tuple[int, int]] = set()
+      for s, e in succs[op.node]:
+        b = assignment[s]
+        if b == d:
+          continue
+        for v in problem.edge_values[e]:
+          if (v, b) in sent:
+            continue
+          sent.add((v, b))
+          key = ((b - d) % M, problem.value_dtypes[v])
+          out.setdefault(key, {}).setdefault(d, []).append((e, v, False))
+    elif op.kind == "B":
+      for p, e in preds[op.node]:
+        a = assignment[p]
+        if a == d:
+          continue
+        for v in problem.edge_values[e]:
+          if floats[v]:
+            key = ((a - d) % M, problem.value_dtypes[v])
+            out.setdefault(key, {}).setdefault(d, []).append((e, v, True))
+  return out
+
+
+def lockstep_price(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
+) -> LockstepPrice:
+  """The lock-step step time of `schedule` on `assignment` (see the module docstring).
+
+  Raises:
+    ValueError: the schedule cannot run in lock step.
+  """
+  M = problem.devices
+  split = schedule.split
+  compute = transfer = 0.0
+  count = 0
+  groups = groups_of(problem, assignment, schedule)
+  adjacency = (problem.successors(), problem.predecessors(),
+               [problem.is_float(v) for v in range(len(problem.value_bytes))])
+  for group in groups:
+    per_device: dict[int, float] = {}
+    for d, op in group:
+      per_device[d] = per_device.get(d, 0.0) + problem.task_s(op.kind, op.node, split)
+    compute += max(per_device.values(), default=0.0)
+    for (shift, _), by_src in sorted(_messages(problem, assignment, group, adjacency).items()):
+      count += 1
+      if problem.link_latency_s:
+        length = max(sum(problem.value_bytes[v] for _, v, _ in items)
+                     for items in by_src.values())
+        transfer += max(problem.link_s(length, a, (a + shift) % M) for a in range(M))
+      else:
+        # No link model: each edge's one-way time; a value sent once per edge.
+        worst = 0.0
+        for a, items in by_src.items():
+          edges = {(e, back) for e, _, back in items}
+          worst = max(worst, sum(
+            problem.direction_s(e, a, (a + shift) % M, back) for e, back in edges))
+        transfer += worst
+  return LockstepPrice(compute_s=compute, transfer_s=transfer, groups=len(groups),
+                       transfers=count)
+
+
+def residual_release(op: Op, split: bool) -> bool:
+  """Whether `op` is the task after which F(op.node, op.microbatch)'s residuals are freed."""
+  return op.kind == ("W" if split else "B")
+
+
+def memory_profile(
+  residual_bytes: Sequence[float], ops: Sequence[Op], split: bool
+) -> list[float]:
+  """Residual bytes alive at each position of one device's task order.
+
+  Position t counts every F(i, c) at or before t whose release task (B(i, c), or W(i, c) when
+  split) is at or after t: the residuals exist from their forward to the end of the task that
+  consumes them last.
+  """
+  alive = 0.0
+  out = []
+  for op in ops:
+    if op.kind == "F":
+      alive += residual_bytes[op.node]
+    out.append(alive)
+    if residual_release(op, split):
+      alive -= residual_bytes[op.node]
+  return out
+
+
+def peak_memory_bytes(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
+) -> list[float]:
+  """Per device: static bytes of its nodes + the peak of `memory_profile` over its order."""
+  static = [0.0] * problem.devices
+  for i, d in enumerate(assignment):
+    static[d] += problem.static_bytes[i]
+  return [
+    static[d] + max(memory_profile(problem.activation_bytes, ops, schedule.split), default=0.0)
+    for d, ops in enumerate(schedule.devices)
+  ]
+
+
+def fits(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule,
+  caps: Sequence[float] | None,
+) -> bool:
+  """Whether every device's `peak_memory_bytes` is within its cap (None: no caps)."""
+  if caps is None:
+    return True
+  return all(m <= c for m, c in zip(peak_memory_bytes(problem, assignment, schedule), caps))
+
+
+def fbw_dependencies(problem: Problem, op: Op) -> list[tuple[Op, int, bool]]:
+  """(task, edge or -1, backward) pairs `op` waits for in the asynchronous F/B/W model.
+
+  F(n, c) <- F(p, c) over edge (p, n); B(n, c) <- F(n, c) and B(s, c) over each edge (n, s)
+  that carries a cotangent; W(n, c) <- B(n, c).
+  """
+  n, c = op.node, op.microbatch
+  if op.kind == "F":
+    return [(Op("F", p, c), e, False) for p, e in problem.predecessors()[n]]
+  if op.kind == "B":
+    return [(Op("F", n, c), -1, False)] + [
+      (Op("B", s, c), e, True) for s, e in problem.successors()[n]
+      if problem.has_cotangent(e)
+    ]
+  return [(Op("B", n, c), -1, False)]
+
+
+def async_makespan(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule,
+  starts: Mapping[Op, float] | None = None,
+) -> float:
+  """Makespan when each device runs its order, every task as soon as its inputs have arrived.
+
+  Args:
+    problem, assignment, schedule: the plan.
+    starts: if a dict is given, filled with every task's start time.
+
+  Returns:
+    The makespan, or inf when the device orders wait on each other.
+  """
+  split = schedule.split
+  deps = {op: fbw_dependencies(problem, op) for ops in schedule.devices for op in ops}
+  end: dict[Op, float] = {}
+  pos = [0] * len(schedule.devices)
+  free = [0.0] * len(schedule.devices)
+  left = sum(len(o) for o in schedule.devices)
+  progress = True
+  while left and progress:
+    progress = False
+    for d, ops in enumerate(schedule.devices):
+      while pos[d] < len(ops):
+        op = ops[pos[d]]
+        ready = free[d]
+        ok = True
+        for dep, e, back in deps[op]:
+          if dep not in end:
+            ok = False
+            break
+          delay = 0.0
+          if e >= 0:
+            a, b = assignment[dep.node], assignment[op.node]
+            delay = problem.direction_s(e, a, b, back)
+          ready = max(ready, end[dep] + delay)
+        if not ok:
+          break
+        if starts is not None:
+          starts[op] = ready  # type: ignore[index]
+        end[op] = free[d] = ready + problem.task_s(op.kind, op.node, split)
+        pos[d] += 1
+        left -= 1
+        progress = True
+  if left:
+    return float("inf")
+  return max(end.values(), default=0.0)

@@ -1,0 +1,290 @@
+"""F/B/W tasks in the planner: the pure lock-step pricer against the program's, memory over time,
+default caps, the plan's predicted step, and the F/B/W MILP against brute force.
+
+Every solver here stops by a work limit (CBC nodes, annealing evaluations), never by the clock.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+import toy
+from flax import nnx
+
+from jaxhybrid import costs as costs_lib
+from jaxhybrid import graph as graph_lib
+from jaxhybrid import planner
+from jaxhybrid.api import microbatch_spec
+from jaxhybrid.planner import fbw_milp, fbw_search, price
+from jaxhybrid.planner import task_schedule as ts
+from jaxhybrid.planner.problem import FORWARD_SHARE, Problem
+from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.program import executor, lockstep
+
+# Work limits only (the time limits are safety nets far above the work).
+WORK = dict(time_limit_s=300.0, threads=1, gap=0.0, cpsat_deterministic_time=0.5,
+            milp_max_nodes=500, search_evaluations=20, lockstep_evaluations=30)
+
+
+class SumOnlyCosts(costs_lib.CostModel):
+  """Node times without a forward/backward split (the FORWARD_SHARE path), a slowish link."""
+
+  source = "test"
+  hardware_name = "test"
+
+  def __init__(self):
+    self.link = costs_lib.Link(alpha_s=2e-5, bandwidth_bytes_s=2e8)
+
+  def node_time_s(self, node):
+    return 1e-4 * (1 + node.id % 3)
+
+
+@functools.cache
+def _chain_graph(k: int):
+  model = toy.Chain(width=16, layers=4, rngs=nnx.Rngs(0))
+  spec, _ = microbatch_spec(toy.regression_batch(8), 8, 8 // k)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.mse_nnx)
+  return graph_lib.trace_function(pure, p, s, spec)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_pricer_equals_the_programs_lockstep_price(k, devices):
+  g = _chain_graph(k)
+  n = len(g.nodes)
+  for cm in (costs_lib.AnalyticCostModel("dgx1-v100"), SumOnlyCosts()):
+    prob = Problem.from_graph(g, cm, planner.PlannerOptions(devices=devices, microbatches=k))
+    stages = tuple(toy.chain_stage(node, devices) for node in g.nodes)
+    for assign in (stages, tuple(i % devices for i in range(n))):
+      for kind in ts.KINDS:
+        sch = ts.generate(kind, n, prob.edges, assign, devices, k, forward_s=prob.forward_s)
+        _, st, _ = executor.structure_for(g, assign, devices, k, sch)
+        want = lockstep.program_step_s(g, st, assign, cm)
+        got = price.lockstep_price(prob, assign, sch)
+        assert (got.groups, got.transfers) == (want.groups, want.transfers)
+        assert got.step_s == pytest.approx(want.step_s, rel=1e-6)
+        assert got.compute_s == pytest.approx(want.compute_s, rel=1e-6)
+
+
+def test_forward_share_is_one_constant():
+  assert lockstep.FORWARD_SHARE is FORWARD_SHARE
+  prob = Problem.build([3.0, 6.0], [(0, 1)], devices=2)
+  assert prob.forward_s == pytest.approx((1.0, 2.0))
+  assert prob.task_s("B", 1, False) == pytest.approx(4.0)
+  assert prob.task_s("B", 1, True) == prob.task_s("W", 1, True) == pytest.approx(2.0)
+
+
+def test_memory_over_time_by_hand_on_a_chain():
+  # Two nodes on one device, static 100 + 10, residuals 5 and 7 per micro-batch, k = 2.
+  prob = Problem.build([1, 1], [(0, 1)], devices=1, memory_bytes=[100, 10],
+                       activation_bytes=[5, 7])
+  F, B, W = (lambda i, c, t=t: Op(t, i, c) for t in "FBW")
+  gpipe = TaskSchedule(kind="gpipe", split=False, microbatches=2, devices=((
+    F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),))
+  # After the four forwards all residuals are alive: 2 * (5 + 7) = 24.
+  assert price.memory_profile(prob.activation_bytes, gpipe.devices[0], False) == [
+    5, 12, 17, 24, 24, 17, 12, 5]
+  assert price.peak_memory_bytes(prob, (0, 0), gpipe) == [110 + 24]
+  one = TaskSchedule(kind="1f1b", split=False, microbatches=2, devices=((
+    F(0, 0), F(1, 0), B(1, 0), B(0, 0), F(0, 1), F(1, 1), B(1, 1), B(0, 1)),))
+  assert price.peak_memory_bytes(prob, (0, 0), one) == [110 + 12]
+  # Split: the residuals live until W.
+  zb = TaskSchedule(kind="zb", split=True, microbatches=1, devices=((
+    F(0, 0), F(1, 0), B(1, 0), B(0, 0), W(0, 0), W(1, 0)),))
+  assert price.memory_profile(prob.activation_bytes, zb.devices[0], True) == [
+    5, 12, 12, 12, 12, 7]
+  # The generated schedules agree with their task order.
+  for kind in ts.KINDS:
+    sch = ts.generate(kind, 2, prob.edges, (0, 0), 1, 2)
+    prof = price.memory_profile(prob.activation_bytes, sch.devices[0], sch.split)
+    assert max(prof) == (24 if kind == "gpipe" else max(prof))
+
+
+def test_caps_default_to_the_device_memory_and_can_be_switched_off():
+  g = _chain_graph(1)
+  cm = costs_lib.AnalyticCostModel("dgx1-v100")
+  opts = planner.PlannerOptions(devices=2)
+  prob = Problem.from_graph(g, cm, opts)
+  gib16 = costs_lib.hardware.get("dgx1-v100").memory_bytes
+  assert prob.device_memory_bytes == gib16 == 16 * 2**30
+  assert opts.caps(prob.device_memory_bytes) == (gib16, gib16)
+  assert planner.PlannerOptions(devices=2, memory_caps_bytes=0).caps(gib16) is None
+  assert planner.PlannerOptions(devices=2, memory_caps_bytes=None).caps(gib16) is None
+  assert planner.PlannerOptions(devices=2, memory_caps_bytes=(5, 6)).caps(gib16) == (5, 6)
+  assert opts.caps() is None  # unknown device memory: no cap
+  plan = planner.place(g, cm, devices=2, **WORK)
+  assert plan.memory_caps_bytes == (gib16, gib16)
+  assert max(plan.device_peak_bytes) <= gib16
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_plans_predicted_step_is_the_price_of_its_schedule(k):
+  g = _chain_graph(k)
+  cm = SumOnlyCosts()
+  opts = planner.PlannerOptions(devices=2, microbatches=k, **WORK)
+  plan = planner.place(g, cm, options=opts, devices=2)
+  prob = Problem.from_graph(g, cm, opts)
+  assert isinstance(plan.task_schedule, TaskSchedule)
+  ts.validate(plan.task_schedule, prob.num_nodes, prob.edges, plan.assignment)
+  got = price.lockstep_price(prob, plan.assignment, plan.task_schedule).step_s
+  assert plan.lockstep_step_s == pytest.approx(got, rel=1e-12)
+  # ... and what the program's own lock-step model prices for the program the plan builds.
+  assert lockstep.plan_step_s(g, plan, cm).step_s == pytest.approx(got, rel=1e-6)
+  assert plan.device_peak_bytes == pytest.approx(
+    price.peak_memory_bytes(prob, plan.assignment, plan.task_schedule))
+  # Never worse than GPipe / 1F1B / ZB-H1 on the best contiguous split; the bound holds.
+  assert set(plan.lockstep_baselines) == set(ts.KINDS)
+  assert plan.lockstep_step_s <= min(plan.lockstep_baselines.values()) + 1e-15
+  assert 0 < plan.lockstep_bound_s <= plan.lockstep_step_s
+  assert plan.lockstep_speedup == pytest.approx(plan.single_device_s / plan.lockstep_step_s)
+  again = planner.Plan.from_json(plan.to_json())
+  assert again == plan
+  # A schema-2 plan (no lock-step fields) still loads.
+  old = plan.to_dict()
+  old["schema_version"] = 2
+  for key in ("lockstep_step_s", "lockstep_speedup", "lockstep_bound_s", "device_peak_bytes",
+              "memory_caps_bytes", "lockstep_baselines", "lockstep_found_by"):
+    old.pop(key)
+  loaded = planner.Plan.from_dict(old)
+  assert loaded.lockstep_step_s == 0.0 and loaded.assignment == plan.assignment
+
+
+# ---- the F/B/W MILP against brute force ----------------------------------------------------
+
+
+def _linear_extensions(tasks, before):
+  """Every order of `tasks` that respects `before` (task -> tasks that must precede it)."""
+  pre = {t: [u for u in before[t] if u in set(tasks)] for t in tasks}
+  out, seq, done = [], [], set()
+
+  def rec():
+    if len(seq) == len(tasks):
+      out.append(tuple(seq))
+      return
+    for t in tasks:
+      if t not in done and all(u in done for u in pre[t]):
+        done.add(t)
+        seq.append(t)
+        rec()
+        seq.pop()
+        done.discard(t)
+
+  rec()
+  return out
+
+
+def _brute_force(prob, k, split, caps):
+  """Optimum over placements x per-device task orders of the asynchronous makespan, within caps;
+  and every (placement, schedule) pair within the caps (for the bound check)."""
+  tasks = fbw_milp.tasks_of(prob, k, split)
+  before = fbw_milp._closure(tasks, {t: price.fbw_dependencies(prob, t) for t in tasks})
+  best = math.inf
+  for assign in itertools.product(range(prob.devices), repeat=prob.num_nodes):
+    static = [sum(b for b, a in zip(prob.static_bytes, assign) if a == d)
+              for d in range(prob.devices)]
+    per_device = []
+    for d in range(prob.devices):
+      mine = [t for t in tasks if assign[t.node] == d]
+      per_device.append([
+        o for o in _linear_extensions(mine, before)
+        if static[d] + max(price.memory_profile(prob.activation_bytes, o, split), default=0)
+        <= caps[d]
+      ])
+    for combo in itertools.product(*per_device):
+      sch = TaskSchedule(kind="custom", split=split, microbatches=k, devices=combo)
+      best = min(best, price.async_makespan(prob, assign, sch))
+  return best
+
+
+def _tiny(diamond: bool) -> Problem:
+  if diamond:  # 0 -> {1, 2} -> 3 with unequal times and transfers
+    return Problem.build([1.5, 3.0, 2.4, 1.2], [(0, 1), (0, 2), (1, 3), (2, 3)], devices=2,
+                         transfer_s=[0.3, 0.2, 0.4, 0.1], memory_bytes=[4, 9, 8, 3],
+                         activation_bytes=[2, 3, 3, 1])
+  return Problem.build([3.0, 2.0, 4.0], [(0, 1), (1, 2)], devices=2, transfer_s=0.5,
+                       memory_bytes=[10, 10, 10], activation_bytes=[5, 3, 4])
+
+
+# (problem, k, split, caps): the caps are unequal and exclude placements (and, with k = 2,
+# orders that keep too many residuals alive).
+CASES = [
+  ("chain", 1, False, (30, 22)),
+  ("chain", 1, True, (30, 22)),
+  ("chain", 2, False, (30, 22)),
+  ("chain", 2, False, (1000, 1000)),
+  ("diamond", 1, False, (20, 16)),
+  ("diamond", 1, True, (20, 16)),
+]
+
+
+def test_fbw_milp_reports_caps_that_nothing_fits_as_infeasible():
+  prob = _tiny(True)
+  assert _brute_force(prob, 1, False, (20, 14)) == math.inf
+  res = fbw_milp.solve(prob, 1, split=False, caps=(20, 14), max_nodes=20_000, time_limit_s=300)
+  assert res.status == "infeasible" and res.schedule is None
+
+
+@pytest.mark.parametrize("name,k,split,caps", CASES)
+def test_fbw_milp_equals_brute_force_and_bounds_every_lockstep_schedule(name, k, split, caps):
+  prob = _tiny(name == "diamond")
+  want = _brute_force(prob, k, split, caps)
+  res = fbw_milp.solve(prob, k, split=split, caps=caps, max_nodes=20_000, time_limit_s=300)
+  assert res.status == "optimal"
+  assert res.makespan == pytest.approx(want, rel=1e-7)
+  assert res.bound <= want * (1 + 1e-7)
+  assert fbw_search.simple_bound(prob, k) <= want * (1 + 1e-9)
+  # The MILP's own order is a valid schedule within the caps with that makespan.
+  ts.validate(res.schedule, prob.num_nodes, prob.edges, res.assignment)
+  assert price.fits(prob, res.assignment, res.schedule, caps)
+  assert price.async_makespan(prob, res.assignment, res.schedule) == pytest.approx(want)
+  # The bound is below the lock-step price of every schedule that fits.
+  priced = 0
+  for assign in itertools.product(range(prob.devices), repeat=prob.num_nodes):
+    for kind in ts.KINDS:
+      if (kind == "zb") != split:
+        continue
+      sch = ts.generate(kind, prob.num_nodes, prob.edges, assign, prob.devices, k)
+      if price.fits(prob, assign, sch, caps):
+        priced += 1
+        step = price.lockstep_price(prob, assign, sch).step_s
+        assert res.bound <= step * (1 + 1e-9)
+        assert price.async_makespan(prob, assign, sch) <= step * (1 + 1e-9)
+  assert priced > 0
+  assert res.bound <= price.lockstep_price(prob, res.assignment, res.schedule).step_s + 1e-9
+
+
+def test_place_uses_the_fbw_milp_bound_and_is_never_worse_than_the_baselines():
+  prob = _tiny(True)
+  opts = planner.PlannerOptions(devices=2, microbatches=1, memory_caps_bytes=(20, 16), **WORK)
+  plan = planner.place_problem(prob, opts)
+  got = price.lockstep_price(prob, plan.assignment, plan.task_schedule).step_s
+  assert plan.lockstep_step_s == pytest.approx(got)
+  assert plan.lockstep_step_s <= min(plan.lockstep_baselines.values()) + 1e-12
+  assert plan.lockstep_bound_s <= plan.lockstep_step_s + 1e-9
+  assert plan.lockstep_bound_s >= fbw_search.simple_bound(prob, 1)
+  assert all(m <= c for m, c in zip(plan.device_peak_bytes, (20, 16)))
+
+
+def test_infeasible_caps_say_how_many_bytes_are_missing_in_one_line():
+  prob = _tiny(False)
+  opts = planner.PlannerOptions(devices=2, microbatches=2, memory_caps_bytes=(12, 12), **WORK)
+  with pytest.raises(planner.InfeasibleError) as err:
+    planner.place_problem(prob, opts)
+  msg = str(err.value)
+  assert "\n" not in msg and "short" in msg and "memory_caps_bytes" in msg
+
+
+def test_reprice_gives_the_lockstep_fields_of_another_schedule():
+  prob = _tiny(False)
+  opts = planner.PlannerOptions(devices=2, microbatches=2, memory_caps_bytes=None, **WORK)
+  plan = planner.place_problem(prob, opts)
+  gpipe = ts.generate("gpipe", prob.num_nodes, prob.edges, plan.assignment, 2, 2)
+  again = planner.reprice(plan, prob, gpipe)
+  assert again.task_schedule == gpipe
+  assert again.lockstep_step_s == pytest.approx(
+    price.lockstep_price(prob, plan.assignment, gpipe).step_s)
+  assert again.device_peak_bytes == tuple(price.peak_memory_bytes(prob, plan.assignment, gpipe))
+  assert again.lockstep_bound_s == plan.lockstep_bound_s <= again.lockstep_step_s + 1e-12
