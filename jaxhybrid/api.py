@@ -342,7 +342,7 @@ def parallelize(
   except ValueError as e:
     raise ValueError(f"{e}") from None
   # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
-  # its lock-step price and memory are those of that schedule (schema 3).
+  # its lock-step price and memory are those of that schedule.
   if plan.lockstep_step_s and prog.schedule != plan.task_schedule:
     opts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches).replace(
       **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})

@@ -13,11 +13,12 @@ from jaxhybrid.planner.task_schedule import TaskSchedule
 
 # 2: adds `task_schedule` (the F/B/W tasks the program runs). Version-1 plans still load; their
 # program runs GPipe (all forwards, then all backwards), which is what version-1 programs ran.
-# 3: adds the lock-step fields (`lockstep_step_s`, `lockstep_speedup`, `lockstep_bound_s`,
-# `device_peak_bytes`, `memory_caps_bytes`, `lockstep_baselines`, `lockstep_found_by`); older plans
-# load with them empty (0.0: not priced).
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# Version 2 also carries, optionally, the lock-step fields (`lockstep_step_s`, `lockstep_speedup`,
+# `lockstep_bound_s`, `device_peak_bytes`, `memory_caps_bytes`, `lockstep_baselines`,
+# `lockstep_found_by`): additive, with defaults, so version-2 plans written before them load with
+# them empty (0.0 = not priced) and the version number stays (programs and tests key on it).
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +71,7 @@ class Plan:
   graph_fingerprint: str = ""
   cost_source: str = ""
   hardware: str = ""
-  # ---- The program's step (schema 3). `predicted_step_s` above stays the fused schedule's
+  # ---- The program's step (optional in schema 2). `predicted_step_s` above stays the fused schedule's
   # makespan; these price the F/B/W `task_schedule` the program runs, in lock step. ----
   # Lock-step price of `task_schedule` on `assignment` (planner.price.lockstep_price: groups'
   # busiest devices + messages; no per-byte optimizer/fill passes); 0.0 = not priced.
