@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shutil
 import sys
 import time
 
@@ -91,6 +92,8 @@ flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
 flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
 flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
+flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
+                     "--workdir (default: measure them again, under this run's conditions).")
 flags.DEFINE_string("out", "", "Write the JSON results here.")
 flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
 flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
@@ -418,6 +421,9 @@ def driver() -> list[dict]:
 
   work = pathlib.Path(FLAGS.workdir)
   work.mkdir(parents=True, exist_ok=True)
+  if not FLAGS.reuse_profiles and (work / "profiles").exists():
+    # Node profiles of an earlier run were measured under that run's load; re-measure.
+    shutil.rmtree(work / "profiles")
   logging.info("calibrating the link between two one-core processes")
   localcluster.launch(_worker_argv("calibrate"), 2)
   cases = []
