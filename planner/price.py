@@ -79,7 +79,8 @@ def groups_of(
 ) -> list[list[tuple[int, Op]]]:
   """The lock-step groups of `schedule` (task_schedule.lockstep_groups)."""
   _, groups = ts.lockstep_groups(
-    schedule, problem.edges, assignment, task_reads(problem, schedule))
+    schedule, problem.edges, assignment, task_reads(problem, schedule),
+    grad_bytes=problem.param_bytes or None)
   return groups
 
 

@@ -84,6 +84,9 @@ class Problem:
   link_s_per_byte: tuple[tuple[float, ...], ...] = ()
   # Memory of one device in bytes (the hardware's), the default memory cap; 0 = unknown.
   device_memory_bytes: int = 0
+  # Parameter bytes per node (what its gradient task writes into the gradient row; the program
+  # groups gradient tasks by it, task_schedule.GROUP_GRAD_BYTES); () = unknown.
+  param_bytes: tuple[int, ...] = ()
 
   def __post_init__(self):
     n = len(self.names)
@@ -96,6 +99,8 @@ class Problem:
       object.__setattr__(self, "value_bytes", tuple(int(b) for b in self.edge_bytes))
       object.__setattr__(self, "value_dtypes", (DEFAULT_VALUE_DTYPE,) * len(self.edges))
       object.__setattr__(self, "edge_values", tuple((e,) for e in range(len(self.edges))))
+    if self.param_bytes and len(self.param_bytes) != n:
+      raise ValueError(f"Problem.param_bytes has {len(self.param_bytes)} entries for {n} nodes.")
     for field in ("forward_s", "input_grad_s"):
       if len(getattr(self, field)) != n:
         raise ValueError(f"Problem.{field} has {len(getattr(self, field))} entries for {n} nodes.")
@@ -201,6 +206,7 @@ class Problem:
       transfer_s=tuple(self.transfer_s[e] for e in keep),
       forward_s=tuple(self.forward_s[v] for v in nodes),
       input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
+      param_bytes=tuple(self.param_bytes[v] for v in nodes) if self.param_bytes else (),
       value_bytes=tuple(self.value_bytes[v] for v in used),
       value_dtypes=tuple(self.value_dtypes[v] for v in used),
       edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
@@ -374,6 +380,7 @@ class Problem:
       link_latency_s=lat,
       link_s_per_byte=spb,
       device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
+      param_bytes=tuple(int(n.param_bytes) for n in nodes),
     )
 
 

@@ -87,6 +87,7 @@ def test_plan_step_prices_the_program_the_plan_builds():
   prog = program_lib.HybridProgram.build(
     g, mesh_lib.make("1x2"), optax.sgd(0.1), plan.assignment, microbatches=2,
     order=structure.plan_order(plan.schedule), forward_s=fwd,
+    schedule=plan.task_schedule or "1f1b",  # the schedule the plan was priced with
   )
   want = lockstep.program_step_s(g, prog.structure, plan.assignment, cm)
   assert lockstep.plan_step_s(g, plan, cm) == want

@@ -288,3 +288,43 @@ def test_reprice_gives_the_lockstep_fields_of_another_schedule():
     price.lockstep_price(prob, plan.assignment, gpipe).step_s)
   assert again.device_peak_bytes == tuple(price.peak_memory_bytes(prob, plan.assignment, gpipe))
   assert again.lockstep_bound_s == plan.lockstep_bound_s <= again.lockstep_step_s + 1e-12
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_gradient_tasks_share_a_group_up_to_the_byte_cap(split):
+  """A device's gradient tasks (B unsplit, W split) join one lock-step group while their nodes'
+  parameter bytes stay within the cap; past it, or with unknown bytes, a new group starts."""
+  edges = [(i, i + 1) for i in range(5)]
+  assignment = [0, 0, 0, 1, 1, 1]
+  kind = "zb" if split else "1f1b"
+  sched = ts.generate(kind, 6, edges, assignment, 2, 4, forward_s=[1.0] * 6)
+  reads = {}
+
+  def grad_nodes_per_group(groups):
+    out = []
+    for g in groups:
+      per: dict[int, set[int]] = {}
+      for d, op in g:
+        if op.kind == "W" or (op.kind == "B" and not split):
+          per.setdefault(d, set()).add(op.node)
+      out.append(per)
+    return out
+
+  small = [10] * 6
+  _, merged = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
+                                 group_grad_bytes=30)
+  _, alone = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=None)
+  _, capped = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
+                                 group_grad_bytes=15)
+  for groups, most in ((merged, 3), (alone, 1), (capped, 1)):
+    per = grad_nodes_per_group(groups)
+    assert all(len(nodes) <= most for p in per for nodes in p.values())
+    # Every task is in exactly one group, in its device's order.
+    for d in range(2):
+      assert [op for g in groups for dd, op in g if dd == d] == list(sched.devices[d])
+  assert max(len(n) for p in grad_nodes_per_group(merged) for n in p.values()) == 3
+  assert len(merged) < len(alone)
+  # A node larger than the cap still runs (alone in its group's gradient part).
+  _, big = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=[100] * 6,
+                              group_grad_bytes=15)
+  assert all(len(n) == 1 for p in grad_nodes_per_group(big) for n in p.values())

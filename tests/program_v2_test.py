@@ -22,7 +22,7 @@ from program_test import (
 )
 
 from jaxhybrid.planner import task_schedule
-from jaxhybrid.program import executor
+from jaxhybrid.program import executor, structure
 
 SCHEDULES = ["gpipe", "1f1b", "zb"]
 MESHES = ["1x1", "2x1", "1x2", "2x2", "4x2"]
@@ -290,3 +290,59 @@ def test_one_window_per_leaf_matches_reference(monkeypatch, schedule, mesh_spec)
           lone += n == w.length
   assert lone > 0
   assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+@pytest.mark.parametrize("schedule,mesh_spec", [("1f1b", "1x2"), ("zb", "2x2")])
+def test_slot_rows_match_reference_and_are_read_in_place(monkeypatch, schedule, mesh_spec):
+  """Large leaves in slot rows of their own (forced here for every leaf, with room for the
+  padding): the step equals the reference, every slot leaf sits at offset 0, and a leaf that
+  fills its slot row is read without a slice (no copy of the weights per task)."""
+  monkeypatch.setattr(structure, "SLOT_MIN_BYTES", 0)
+  monkeypatch.setattr(structure, "SLOT_EXTRA_FRACTION", 1.0)
+  model = toy.Towers(rngs=nnx.Rngs(2))
+  batch = toy.regression_batch(16)
+  opt = optax.adam(1e-2)
+  prog, p, s, pure = build(model, toy.mse_nnx, batch, mesh_spec, _towers, 2, opt, schedule=schedule)
+  lay = prog.layout
+  slots = {r: n for r, n in lay.sizes if "#" in r}
+  assert slots, "every leaf may take a slot: the towers' weights should get slot rows"
+  full = 0
+  for i, r in enumerate(lay.row_of):
+    if r in slots:
+      assert lay.offset[i] == 0 and int(np.prod(lay.shapes[i])) <= slots[r]
+      full += int(np.prod(lay.shapes[i])) == slots[r]
+  assert full > 0
+  assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+def test_slot_rows_keep_the_padding_within_the_fraction():
+  """Slot rows are made only while one device's rows stay within SLOT_EXTRA_FRACTION of one flat
+  row padded to the largest device; leaves never overlap within a row."""
+  import types
+
+
+
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    n = int(rng.integers(2, 12))
+    shapes = [(int(rng.integers(1, 600)), int(rng.integers(1, 600))) for _ in range(n)]
+    avals = [jax.core.ShapedArray(sh, np.float32) for sh in shapes]
+    devices = int(rng.integers(1, 4))
+    nodes = [types.SimpleNamespace(id=i, param_leaves=(i,)) for i in range(n)]
+    graph = types.SimpleNamespace(param_avals=avals, nodes=nodes)
+    assignment = [int(rng.integers(0, devices)) for _ in range(n)]
+    extra = float(rng.choice([0.0, 0.05, 0.5]))
+    lay = structure.param_layout(graph, assignment, devices, slot_min_bytes=4096,
+                                 slot_extra_fraction=extra)
+    per_dev = [sum(int(np.prod(sh)) for sh, a in zip(shapes, assignment) if a == d)
+               for d in range(devices)]
+    assert sum(m for _, m in lay.sizes) <= max([1] + per_dev) * (1 + extra) + 1
+    for d in range(devices):
+      spans: dict[str, list] = {}
+      for i, r in enumerate(lay.row_of):
+        if lay.owner[i] == d:
+          spans.setdefault(r, []).append((lay.offset[i], lay.offset[i] + int(np.prod(shapes[i]))))
+      for r, sp in spans.items():
+        sp.sort()
+        assert all(a[1] <= b[0] for a, b in zip(sp, sp[1:]))
+        assert sp[-1][1] <= dict(lay.sizes)[r]

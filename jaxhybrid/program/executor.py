@@ -33,6 +33,7 @@ from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import MODEL
 from jaxhybrid.planner import task_schedule as sched_lib
+from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import ParamLayout
 
@@ -192,6 +193,11 @@ class Window:
   length: int
   starts: tuple[int, ...]
   leaves: tuple[tuple[int, ...], ...]
+  row: str = ""  # the row key (ParamLayout.sizes); '' = the packed row of `dtype`
+
+  @property
+  def row_key(self) -> str:
+    return self.row or self.dtype
 
   @property
   def nbytes(self) -> int:
@@ -237,17 +243,18 @@ def gradient_windows(
       for v in graph.nodes[op.node].invars:
         if v in kinds and kinds[v][0] == graph_lib.PARAM and layout.owner[kinds[v][1]] >= 0:
           idx = kinds[v][1]
-          touched.setdefault((layout.dtypes[idx], d), set()).add(idx)
+          touched.setdefault((layout.row_of[idx], d), set()).add(idx)
     if not has:
       out.append(None)
       continue
     wins: list[Window] = []
-    for dt in sorted({dt for dt, _ in touched}):
+    for row in sorted({r for r, _ in touched}):
+      dt = structure_lib.row_dtype(row)
       item = np.dtype(dt).itemsize
       runs: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}  # device -> (lo, hi, leaves)
       for d in range(M):
         cur: list[Any] = []
-        for idx in sorted(touched.get((dt, d), ()), key=lambda i: layout.offset[i]):
+        for idx in sorted(touched.get((row, d), ()), key=lambda i: layout.offset[i]):
           lo, n = layout.offset[idx], math.prod(layout.shapes[idx])
           big = n * item >= split_bytes
           if cur and not cur[3] and not big and (lo - cur[1]) * item < split_bytes:
@@ -264,10 +271,10 @@ def gradient_windows(
         have = {d: r[j] for d, r in runs.items() if j < len(r)}
         length = max(hi - lo for lo, hi, _ in have.values())
         starts = tuple(
-          min(have[d][0], sizes[dt] - length) if d in have else 0 for d in range(M)
+          min(have[d][0], sizes[row] - length) if d in have else 0 for d in range(M)
         )
         leaves = tuple(have[d][2] if d in have else () for d in range(M))
-        wins.append(Window(dtype=dt, length=length, starts=starts, leaves=leaves))
+        wins.append(Window(dtype=dt, length=length, starts=starts, leaves=leaves, row=row))
     out.append(wins)
   return out
 
@@ -310,7 +317,7 @@ def run_groups(
   loss_var = g.jaxpr.outvars[0]
   me = lax.axis_index(MODEL) if M > 1 else 0
   bufs: dict[tuple, jax.Array] = {}
-  grads = {dt: jnp.zeros((n,), dt) for dt, n in layout.sizes}
+  grads = {r: jnp.zeros((n,), structure_lib.row_dtype(r)) for r, n in layout.sizes}
   gshared = [jnp.zeros_like(x) for x in inp.shared]
 
   def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
@@ -321,7 +328,10 @@ def run_groups(
       raise RuntimeError(f"internal: device {d} reads parameter leaf {idx} it does not own")
     n = math.prod(layout.shapes[idx])
     off = layout.offset[idx]
-    return lax.slice(rows[layout.dtypes[idx]], (off,), (off + n,)).reshape(layout.shapes[idx])
+    row = rows[layout.row_of[idx]]
+    if off == 0 and n == row.shape[0]:  # a slot row the leaf fills: read in place, no copy
+      return row.reshape(layout.shapes[idx])
+    return lax.slice(row, (off,), (off + n,)).reshape(layout.shapes[idx])
 
   def make_branch(gi: int, d: int, lay: tasks_lib.GroupLayout, windows: list[Window] | None):
     def branch(carry):
@@ -482,8 +492,12 @@ def run_groups(
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):
         start = jnp.asarray(w.starts, jnp.int32)[me] if M > 1 else w.starts[0]
-        cur = lax.dynamic_slice(grads[w.dtype], (start,), (w.length,))
-        grads[w.dtype] = lax.dynamic_update_slice(grads[w.dtype], cur + win, (start,))
+        row = grads[w.row_key]
+        if w.length == row.shape[0]:
+          grads[w.row_key] = row + win
+        else:
+          cur = lax.dynamic_slice(row, (start,), (w.length,))
+          grads[w.row_key] = lax.dynamic_update_slice(row, cur + win, (start,))
     for dt, buf in zip(sorted(lay.sizes), outs):
       bufs[("out", gi, dt)] = buf
     for s, dt, start, length in st.message_plan(gi):

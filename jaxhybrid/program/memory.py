@@ -39,7 +39,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.program import executor
 from jaxhybrid.program import tasks as tasks_lib
-from jaxhybrid.program.structure import TrainState
+from jaxhybrid.program.structure import TrainState, row_dtype
 
 GiB = 2**30
 
@@ -127,11 +127,11 @@ class MemoryReport:
     return "\n".join(lines)
 
 
-def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0) -> int:
+def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | None = None) -> int:
   """XLA's compiled temp bytes of the step's tail on one device, from abstract inputs.
 
   The tail as the step runs it: the gradient row made from zeros and windows (`window` elements
-  of the first dtype, out of conditionals) added in place at traced offsets, the gradients' sum
+  of row `row`, default the first row, out of conditionals) added in place at traced offsets, the gradients' sum
   of squares (the noise-scale metric), then `optimizer.update` and `optax.apply_updates`
   (parameters and optimizer state donated). Returned: that temp less the gradient row itself
   (counted apart). What XLA keeps beyond its inputs depends on the optimizer and on how it fuses
@@ -141,13 +141,13 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0) -> int:
   import optax
 
   params = {
-    "owned": {dt: jax.ShapeDtypeStruct((1, n), dt) for dt, n in layout.sizes},
+    "owned": {r: jax.ShapeDtypeStruct((1, n), row_dtype(r)) for r, n in layout.sizes},
     "shared": [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.shared],
   }
   opt = jax.eval_shape(optimizer.init, params)
-  first = min((dt for dt, _ in layout.sizes), default=None)
+  first = row if row is not None else min((r for r, _ in layout.sizes), default=None)
   window = min(window, dict(layout.sizes).get(first, 0))
-  win = jax.ShapeDtypeStruct((window,), first or np.float32)
+  win = jax.ShapeDtypeStruct((window,), row_dtype(first) if first else np.float32)
 
   def tail(p, o, g, w, start):
     # The gradient row as the step makes it: zeros, windows from conditionals added in place.
@@ -165,7 +165,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0) -> int:
 
   start = jax.ShapeDtypeStruct((), np.int32)
   compiled = jax.jit(tail, donate_argnums=(0, 1)).lower(params, opt, params, win, start).compile()
-  rows = sum(n * np.dtype(dt).itemsize for dt, n in layout.sizes)
+  rows = layout.row_bytes()
   # The tail's temp holds the gradient row itself (made inside, as in the step): counted apart.
   return max(0, int(compiled.memory_analysis().temp_size_in_bytes) - rows)
 
@@ -176,7 +176,9 @@ def abstract_params(prog: Any) -> dict[str, Any]:
   rows = NamedSharding(mesh, P(MODEL, None))
   rep = NamedSharding(mesh, P())
   return {
-    "owned": {dt: jax.ShapeDtypeStruct((lay.devices, n), dt, sharding=rows) for dt, n in lay.sizes},
+    "owned": {
+      r: jax.ShapeDtypeStruct((lay.devices, n), row_dtype(r), sharding=rows) for r, n in lay.sizes
+    },
     "shared": [
       jax.ShapeDtypeStruct(lay.shapes[i], lay.dtypes[i], sharding=rep) for i in lay.shared
     ],
@@ -213,7 +215,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   lay = prog.layout
   ts = abstract_state(prog)
   M = lay.devices
-  row_bytes = sum(n * np.dtype(dt).itemsize for dt, n in lay.sizes)
+  row_bytes = lay.row_bytes()
   shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
   params = row_bytes + shared
   opt = _nbytes(ts.opt_state)
@@ -233,7 +235,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   window = max(
     (sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws) for ws in all_windows), default=0
   )
-  last_window = all_windows[-1][-1].length if all_windows else 0
+  last = all_windows[-1][-1] if all_windows else None
   fields: dict[str, Any] = {}
   if compile:
     ma = prog.step_fn().lower(ts, batch).compile().memory_analysis()
@@ -244,7 +246,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device, gradients=params,
     live_peak=max(tasks_lib.live_bytes(prog.structure), default=0), window=window,
-    update_temp=update_temp_bytes(prog.optimizer, lay, last_window), batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
+    update_temp=update_temp_bytes(prog.optimizer, lay, last.length if last else 0, last.row_key if last else None), batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )
 

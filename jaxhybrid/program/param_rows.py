@@ -1,7 +1,8 @@
 """Per-device flat parameter rows: where the hybrid program keeps the parameters each device owns.
 
 Every parameter leaf read by nodes of a single model-axis device lives in that device's row of a
-flat `[model, size]` buffer per dtype (`structure.ParamLayout` gives owner and offset). Here:
+flat `[model, size]` buffer (`structure.ParamLayout` gives owner, row and offset: a packed row per
+dtype and slot rows for large leaves). Here:
 host-side packing of leaves into rows and back (in the program each task slices its node's
 leaves from its own row; `jaxhybrid.program.executor`).
 """
@@ -14,21 +15,21 @@ from typing import Any
 
 import numpy as np
 
-from jaxhybrid.program.structure import ParamLayout
+from jaxhybrid.program.structure import ParamLayout, row_dtype
 
 
 def pack(layout: ParamLayout, leaves: Sequence[Any]) -> dict[str, np.ndarray]:
-  """Flat parameter leaves (graph order) -> {dtype: [devices, size]} rows, on the host.
+  """Flat parameter leaves (graph order) -> {row key: [devices, size]} rows, on the host.
 
   Shared leaves (owner -1) are not in any row; padding is zero.
   """
-  rows = {dt: np.zeros((layout.devices, n), dt) for dt, n in layout.sizes}
+  rows = {r: np.zeros((layout.devices, n), row_dtype(r)) for r, n in layout.sizes}
   for i, leaf in enumerate(leaves):
     d = layout.owner[i]
     if d < 0:
       continue
     flat = np.asarray(leaf).reshape(-1)
-    rows[layout.dtypes[i]][d, layout.offset[i] : layout.offset[i] + flat.size] = flat
+    rows[layout.row_of[i]][d, layout.offset[i] : layout.offset[i] + flat.size] = flat
   return rows
 
 
@@ -41,5 +42,6 @@ def unpack(layout: ParamLayout, rows: dict[str, np.ndarray], shared: Sequence[np
       out.append(np.asarray(by_leaf[i]))
     else:
       n = math.prod(shape)
-      out.append(rows[layout.dtypes[i]][layout.owner[i], layout.offset[i] : layout.offset[i] + n].reshape(shape))
+      row = rows[layout.row_of[i]]
+      out.append(row[layout.owner[i], layout.offset[i] : layout.offset[i] + n].reshape(shape))
   return out

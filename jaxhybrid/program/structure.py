@@ -1,8 +1,15 @@
 """Parameter ownership of a hybrid program, and a plan's forward start order.
 
-Every leaf read by nodes of one device is owned by that device and lives in its row of a flat
-per-dtype buffer (`ParamLayout`); a leaf read on several devices is shared. The task schedule's
-lock-step structure (slots, groups, buffers, messages) is in `jaxhybrid.program.tasks`.
+Every leaf read by nodes of one device is owned by that device and lives in one of its rows
+(`ParamLayout`); a leaf read on several devices is shared. The task schedule's lock-step structure
+(slots, groups, buffers, messages) is in `jaxhybrid.program.tasks`.
+
+Rows: per dtype, one flat *packed* row holds a device's small leaves side by side; large leaves
+get *slot rows* of their own: the j-th largest large leaf of every device shares slot row j, as
+long as the longest of them. A leaf that fills its slot row is read as the row itself, so a
+task's matmul reads the weights in place; a leaf sliced out of a packed row is first copied
+(XLA materialises the slice), once per task that reads it, which costs a step k copies of the
+device's parameters per micro-batch pass on one CPU core.
 """
 
 from __future__ import annotations
@@ -18,16 +25,32 @@ import numpy as np
 from jaxhybrid import graph as graph_lib
 
 
+# Owned leaves of at least this many bytes may get a slot row of their own (assumption, named
+# here: below it a copy out of the packed row costs little next to the task that reads it).
+SLOT_MIN_BYTES = 1 << 20
+# Slot rows pad each slot to its longest leaf; a slot is made only while the rows of a dtype stay
+# within this fraction above one flat row padded to the largest device (assumption, named here:
+# 5 % more parameter, gradient and optimizer bytes per device for reading weights in place).
+SLOT_EXTRA_FRACTION = 0.05
+
+
+def row_dtype(row: str) -> str:
+  """The dtype name of a row key ('float32' for the packed row, 'float32#2' for a slot row)."""
+  return row.split("#", 1)[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
   """Where each flat parameter leaf lives.
 
   Attributes:
     owner: per leaf, the model-axis device that owns it, or -1 for a shared (replicated) leaf.
-    offset: per owned leaf, its offset in the owner's flat buffer of its dtype.
-    sizes: per dtype name, the flat buffer length per device (max over devices, >= 1).
+    offset: per owned leaf, its offset in its row (0 in a slot row).
+    sizes: per row key, the row length per device (max over devices, >= 1). Keys: the dtype
+      name for the packed row, '<dtype>#<j>' for slot row j.
     shared: indices of shared leaves, in order.
     shapes, dtypes: per leaf.
+    row_of: per leaf, its row key ('' for shared leaves).
   """
 
   owner: tuple[int, ...]
@@ -37,6 +60,16 @@ class ParamLayout:
   shapes: tuple[tuple[int, ...], ...]
   dtypes: tuple[str, ...]
   devices: int
+  row_of: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if not self.row_of:  # one packed row per dtype
+      object.__setattr__(self, "row_of", tuple(
+        "" if o < 0 else dt for o, dt in zip(self.owner, self.dtypes)))
+
+  def row_bytes(self) -> int:
+    """Bytes of one device's rows (owned leaves and padding)."""
+    return sum(n * np.dtype(row_dtype(r)).itemsize for r, n in self.sizes)
 
   def bytes_per_device(self) -> list[int]:
     """Parameter bytes each model-axis device owns (excluding shared and padding)."""
@@ -47,34 +80,65 @@ class ParamLayout:
     return out
 
 
-def param_layout(graph: graph_lib.OpGraph, assignment: Sequence[int], devices: int) -> ParamLayout:
-  """Assigns every parameter leaf to the device of the nodes that read it (or shares it)."""
+def param_layout(
+  graph: graph_lib.OpGraph, assignment: Sequence[int], devices: int,
+  *, slot_min_bytes: int | None = None, slot_extra_fraction: float | None = None,
+) -> ParamLayout:
+  """Assigns every parameter leaf to the device of the nodes that read it (or shares it), and
+  to a row of that device (module docstring; defaults SLOT_MIN_BYTES, SLOT_EXTRA_FRACTION)."""
+  min_bytes = SLOT_MIN_BYTES if slot_min_bytes is None else slot_min_bytes
+  extra = SLOT_EXTRA_FRACTION if slot_extra_fraction is None else slot_extra_fraction
   avals = graph.param_avals
   users: list[set[int]] = [set() for _ in avals]
   for node in graph.nodes:
     for leaf in node.param_leaves:
       users[leaf].add(int(assignment[node.id]))
-  owner, offset = [], []
-  fill: dict[tuple[int, str], int] = {}
+  n_of = [int(math.prod(a.shape)) for a in avals]
+  dts = [np.dtype(a.dtype).name for a in avals]
+  owner: list[int] = []
   shared = []
-  for i, aval in enumerate(avals):
-    dt = np.dtype(aval.dtype).name
+  for i in range(len(avals)):
     if len(users[i]) > 1:
       owner.append(-1)
-      offset.append(0)
       shared.append(i)
-      continue
-    d = next(iter(users[i])) if users[i] else 0  # unused leaves: device 0 (zero gradient)
-    pos = fill.get((d, dt), 0)
-    owner.append(d)
-    offset.append(pos)
-    fill[(d, dt)] = pos + int(math.prod(aval.shape))
-  dtypes = sorted({np.dtype(a.dtype).name for a in avals})
-  sizes = tuple((dt, max([1] + [fill.get((d, dt), 0) for d in range(devices)])) for dt in dtypes)
+    else:
+      owner.append(next(iter(users[i])) if users[i] else 0)  # unused: device 0 (zero gradient)
+  offset = [0] * len(avals)
+  row_of = [""] * len(avals)
+  sizes: list[tuple[str, int]] = []
+  for dt in sorted(set(dts)):
+    item = np.dtype(dt).itemsize
+    mine = {d: [i for i in range(len(avals)) if owner[i] == d and dts[i] == dt] for d in range(devices)}
+    packed = {d: sum(n_of[i] for i in mine[d]) for d in range(devices)}
+    flat = max(packed.values(), default=0)
+    big = {
+      d: sorted((i for i in mine[d] if n_of[i] * item >= min_bytes), key=lambda i: (-n_of[i], i))
+      for d in range(devices)
+    }
+    slots: list[int] = []
+    for j in range(max((len(b) for b in big.values()), default=0)):
+      have = {d: b[j] for d, b in big.items() if j < len(b)}
+      length = max(n_of[i] for i in have.values())
+      left = {d: packed[d] - (n_of[have[d]] if d in have else 0) for d in packed}
+      if sum(slots) + length + max(left.values()) > flat * (1.0 + extra):
+        continue
+      key = f"{dt}#{len(slots)}"
+      slots.append(length)
+      packed = left
+      for i in have.values():
+        row_of[i] = key
+    for d in range(devices):
+      pos = 0
+      for i in mine[d]:
+        if not row_of[i]:
+          row_of[i], offset[i] = dt, pos
+          pos += n_of[i]
+    sizes.append((dt, max([1] + list(packed.values()))))
+    sizes.extend((f"{dt}#{j}", n) for j, n in enumerate(slots))
   return ParamLayout(
-    owner=tuple(owner), offset=tuple(offset), sizes=sizes, shared=tuple(shared),
-    shapes=tuple(tuple(a.shape) for a in avals), dtypes=tuple(np.dtype(a.dtype).name for a in avals),
-    devices=devices,
+    owner=tuple(owner), offset=tuple(offset), sizes=tuple(sizes), shared=tuple(shared),
+    shapes=tuple(tuple(a.shape) for a in avals), dtypes=tuple(dts), devices=devices,
+    row_of=tuple(row_of),
   )
 
 

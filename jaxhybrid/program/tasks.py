@@ -181,7 +181,10 @@ def build(
     for (d, op), keys in reads.items()
   }
   edges = [(e.src, e.dst) for e in graph.edges]
-  _, grouped = lockstep_groups(schedule, edges, assignment, task_reads)
+  _, grouped = lockstep_groups(
+    schedule, edges, assignment, task_reads,
+    grad_bytes=[int(n.param_bytes) for n in graph.nodes],
+  )
   group_of = {task: g for g, tasks in enumerate(grouped) for task in tasks}
   # Readers of each value: (group, device).
   readers: dict[Any, set[tuple[int, int]]] = {}
