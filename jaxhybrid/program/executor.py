@@ -317,7 +317,17 @@ def run_groups(
   loss_var = g.jaxpr.outvars[0]
   me = lax.axis_index(MODEL) if M > 1 else 0
   bufs: dict[tuple, jax.Array] = {}
-  grads = {r: jnp.zeros((n,), structure_lib.row_dtype(r)) for r, n in layout.sizes}
+  # The gradient rows of one dtype live side by side in ONE flat buffer while the groups add
+  # into it (dynamic-update-slices, in place); they are cut apart at the end. (Separate buffers
+  # per slot row let XLA fuse a row's additions over all groups into the optimizer's pass at the
+  # end, which keeps every group's window alive until then.)
+  base: dict[str, int] = {}
+  flat_len: dict[str, int] = {}
+  for r, n in layout.sizes:
+    dt = structure_lib.row_dtype(r)
+    base[r] = flat_len.get(dt, 0)
+    flat_len[dt] = base[r] + n
+  grads = {dt: jnp.zeros((n,), dt) for dt, n in flat_len.items()}
   gshared = [jnp.zeros_like(x) for x in inp.shared]
 
   def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
@@ -491,13 +501,10 @@ def run_groups(
       # Add the window into this device's own row outside the conditional, in place: a whole
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):
-        start = jnp.asarray(w.starts, jnp.int32)[me] if M > 1 else w.starts[0]
-        row = grads[w.row_key]
-        if w.length == row.shape[0]:
-          grads[w.row_key] = row + win
-        else:
-          cur = lax.dynamic_slice(row, (start,), (w.length,))
-          grads[w.row_key] = lax.dynamic_update_slice(row, cur + win, (start,))
+        at = [base[w.row_key] + a for a in w.starts]
+        start = jnp.asarray(at, jnp.int32)[me] if M > 1 else at[0]
+        cur = lax.dynamic_slice(grads[w.dtype], (start,), (w.length,))
+        grads[w.dtype] = lax.dynamic_update_slice(grads[w.dtype], cur + win, (start,))
     for dt, buf in zip(sorted(lay.sizes), outs):
       bufs[("out", gi, dt)] = buf
     for s, dt, start, length in st.message_plan(gi):
@@ -512,4 +519,8 @@ def run_groups(
   loss = total / k
   if M > 1:
     loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
-  return loss, grads, gshared
+  rows = {
+    r: lax.slice(grads[structure_lib.row_dtype(r)], (base[r],), (base[r] + n,))
+    for r, n in layout.sizes
+  }
+  return loss, rows, gshared

@@ -150,16 +150,25 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   win = jax.ShapeDtypeStruct((window,), row_dtype(first) if first else np.float32)
 
   def tail(p, o, g, w, start):
-    # The gradient row as the step makes it: zeros, windows from conditionals added in place.
-    rows = {dt: jnp.zeros_like(r[0]) for dt, r in g["owned"].items()}
+    # The gradient rows as the step makes them (executor.run_groups): one flat buffer per dtype
+    # from zeros, windows out of conditionals added in place, then cut into the rows.
+    flat, base = {}, {}
+    for r, n in layout.sizes:
+      dt = row_dtype(r)
+      base[r] = flat.get(dt, 0)
+      flat[dt] = base[r] + n
+    flat = {dt: jnp.zeros((n,), dt) for dt, n in flat.items()}
     if window:
+      dt = row_dtype(first)
+      n = dict(layout.sizes)[first]
       for j in range(2):
         x = jax.lax.switch((start + j) % 2, [lambda x: x, lambda x: -x], w)
-        at = (start + j) % (rows[first].shape[0] - window + 1)
-        cur = jax.lax.dynamic_slice(rows[first], (at,), (window,))
-        rows[first] = jax.lax.dynamic_update_slice(rows[first], cur + x, (at,))
+        at = base[first] + (start + j) % (n - window + 1)
+        cur = jax.lax.dynamic_slice(flat[dt], (at,), (window,))
+        flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
+    rows = {r: flat[row_dtype(r)][base[r] : base[r] + n] for r, n in layout.sizes}
     sq = executor.sum_of_squares(rows) + executor.sum_of_squares(g["shared"])
-    g = {"owned": {dt: r[None] for dt, r in rows.items()}, "shared": g["shared"]}
+    g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
     u, o = optimizer.update(g, o, p)
     return optax.apply_updates(p, u), o, sq
 
