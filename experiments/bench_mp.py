@@ -37,6 +37,9 @@ each device's optimizer update and gradient accumulation and the conditionals' z
 per byte in the same process; the 1-device side adds the update of all parameters),
 overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
 fast as plain jit), ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
+step_prediction_error (per candidate; _mean / _max per model) = |predicted program step -
+measured step| / measured step: the lock-step model's own error, without the 1-device side;
+predicted_1dev_error = (predicted_1dev_s + predicted_1dev_update_s - step_s_1dev) / step_s_1dev.
 With --compare_unpacked: step_s_plan_unpacked (every transfer its own ppermute) and
 packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run.
 Step times are medians over --steps timed steps after --warmup steps.
@@ -455,6 +458,9 @@ def driver() -> list[dict]:
       c["prediction_error_program"] = abs(
         c["predicted_program_speedup"] - single["step_s_1dev"] / step_s
       ) / (single["step_s_1dev"] / step_s)
+      # The lock-step model's own error: its predicted program step against the measured one
+      # (the speedup error above also carries the error of predicting plain jit on one device).
+      c["step_prediction_error"] = abs(c["predicted_program_step_s"] - step_s) / step_s
     run = single["candidates"][multi["chosen_candidate"]]
     pred = run["predicted_speedup"]
     cases.append({
@@ -466,10 +472,16 @@ def driver() -> list[dict]:
       "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
     })
     errs = [c["prediction_error_program"] for c in single["candidates"]]
+    step_errs = [c["step_prediction_error"] for c in single["candidates"]]
     first = next(c for c in single["candidates"] if c["lockstep_rank"] == 0)
     cases[-1].update(
       prediction_error_program_mean=sum(errs) / len(errs),
       prediction_error_program_max=max(errs),
+      step_prediction_error_mean=sum(step_errs) / len(step_errs),
+      step_prediction_error_max=max(step_errs),
+      predicted_1dev_error=(
+        single["predicted_1dev_s"] + single["predicted_1dev_update_s"] - single["step_s_1dev"]
+      ) / single["step_s_1dev"],
       first_pick_method=first["plan_method"],
       first_pick_measured_speedup=single["step_s_1dev"] / first["step_s_plan"],
       first_pick_prediction_error=first["prediction_error_program"],
@@ -509,7 +521,7 @@ def main(argv):
   cols = ["model", "step_s_1dev", "step_s_plan", "measured_speedup",
           "predicted_program_speedup", "prediction_error_program",
           "prediction_error_program_mean", "prediction_error_program_max",
-          "first_pick_measured_speedup", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp"]
+          "step_prediction_error_mean", "first_pick_measured_speedup", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp"]
   print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:
     if "skipped" in c:

@@ -141,12 +141,22 @@ def lockstep_price(
       per_device[d] = per_device.get(d, 0.0) + problem.task_s(op.kind, op.node, split)
     compute += max(per_device.values(), default=0.0)
     for (shift, _), by_src in sorted(_messages(problem, assignment, group, adjacency).items()):
-      count += 1
       if problem.link_latency_s:
-        length = max(sum(problem.value_bytes[v] for _, v, _ in items)
-                     for items in by_src.values())
-        transfer += max(problem.link_s(length, a, (a + shift) % M) for a in range(M))
+        # As the program sends them (program.tasks): small values packed in one message, each
+        # value of at least LANE_MIN_BYTES in a lane of its own (j-th largest per sender).
+        small, big = {}, {}
+        for a, items in by_src.items():
+          sizes = [problem.value_bytes[v] for _, v, _ in items]
+          small[a] = sum(b for b in sizes if b < ts.LANE_MIN_BYTES)
+          big[a] = sorted((b for b in sizes if b >= ts.LANE_MIN_BYTES), reverse=True)
+        lengths = [max(small.values())] if any(small.values()) else []
+        lengths += [max(b[j] for b in big.values() if j < len(b))
+                    for j in range(max(len(b) for b in big.values()))]
+        for length in lengths:
+          count += 1
+          transfer += max(problem.link_s(length, a, (a + shift) % M) for a in range(M))
       else:
+        count += 1
         # No link model: each edge's one-way time; a value sent once per edge.
         worst = 0.0
         for a, items in by_src.items():

@@ -110,6 +110,13 @@ class TaskSchedule:
 # one group, and keeps a large gradient (paper BigLSTM's 3 GiB softmax) alone.
 GROUP_GRAD_BYTES = 64 << 20
 
+# A value of at least this many bytes leaves its group's conditional in a buffer (a *lane*) of
+# its own, returned and sent as the array the task made; smaller ones are copied side by side
+# into the group's packed buffer of their dtype (assumption, named here: one message more costs
+# the link's latency, ~0.1-0.2 ms between two CPU processes over gloo, about what copying
+# 256 KiB costs on one core). The program (program.tasks) and the planner's pricer follow it.
+LANE_MIN_BYTES = 256 << 10
+
 
 def depths(
   num_nodes: int, edges: Sequence[tuple[int, int]], assignment: Sequence[int], devices: int

@@ -122,7 +122,19 @@ def test_parameter_and_fill_passes_price_the_busiest_device_linearly_in_bytes():
   # update once, one gradient add per micro-batch
   assert math.isclose(t.param_s, max(per_dev) * (1e-6 + 2 * 1e-7)) and base.param_s == 0.0
   out = sum(st.output_bytes(i) for i in range(len(st.groups)))
-  assert out > 0 and math.isclose(t.fill_s, 1e-9 * out)
+  fill = sum(st.fill_bytes(i) for i in range(len(st.groups)))
+  assert 0 < fill <= out
+  # Fill runs after each device's tasks: what it adds to a group is at most its busiest fill,
+  # and exactly that where the busiest device also writes the most.
+  fwd, bwd = lockstep.task_times(g, FixedCosts(0.01, link))
+  want = 0.0
+  for gi, lay in enumerate(st.groups):
+    busy = [0.0, 0.0]
+    for d, op in lay.tasks:
+      busy[d] += fwd[op.node] if op.kind == "F" else bwd[op.node]
+    fills = st.fill_bytes_per_device(gi)
+    want += max(b + 1e-9 * f for b, f in zip(busy, fills)) - max(busy)
+  assert 0 < t.fill_s <= 1e-9 * fill + 1e-12 and math.isclose(t.fill_s, want)
   assert math.isclose(t.step_s, base.step_s + t.param_s + t.fill_s)
 
 

@@ -346,3 +346,32 @@ def test_slot_rows_keep_the_padding_within_the_fraction():
         sp.sort()
         assert all(a[1] <= b[0] for a, b in zip(sp, sp[1:]))
         assert sp[-1][1] <= dict(lay.sizes)[r]
+
+
+@pytest.mark.parametrize("schedule,mesh_spec", [("1f1b", "1x2"), ("zb", "2x4")])
+def test_own_lanes_match_reference_and_cost_no_copy(monkeypatch, schedule, mesh_spec):
+  """Every value in a lane of its own (LANE_MIN_BYTES forced to 0): the step equals the
+  reference; each lane holds one value per device, and a device whose value fills its lane
+  writes no fill bytes for it."""
+  monkeypatch.setattr(task_schedule, "LANE_MIN_BYTES", 0)
+  model = toy.Exchange(rngs=nnx.Rngs(4))
+  batch = toy.regression_batch(16, seed=2)
+  opt = optax.adam(1e-2)
+  M = int(mesh_spec.split("x")[1])
+  prog, p, s, pure = build(
+    model, toy.mse_nnx, batch, mesh_spec, lambda n: _exchange_tower(n) % M, 2, opt,
+    schedule=schedule,
+  )
+  st = prog.structure
+  lanes = 0
+  for g, lay in enumerate(st.groups):
+    for lane in lay.sizes:
+      if "@" in lane:
+        lanes += 1
+        for d, writes in lay.writes.items():
+          assert len([w for w in writes if w[1] == lane]) <= 1
+    assert st.fill_bytes(g) <= st.output_bytes(g)
+  assert lanes > 0
+  assert sum(st.fill_bytes(g) for g in range(len(st.groups))) < sum(
+    st.output_bytes(g) for g in range(len(st.groups)))
+  assert_matches_reference(prog, p, s, pure, batch, opt)

@@ -453,17 +453,18 @@ def run_groups(
               gv = gv.reshape(-1)
               leaf_grads[idx] = leaf_grads[idx] + gv if idx in leaf_grads else gv
       outs = []
-      for dt in sorted(lay.sizes):
+      for lane in sorted(lay.sizes):
+        dt = tasks_lib.lane_dtype(lane)
         parts, pos = [], 0
         for key, kdt, off, shape in sorted(
-          (w for w in lay.writes[d] if w[1] == dt), key=lambda w: w[2]
+          (w for w in lay.writes[d] if w[1] == lane), key=lambda w: w[2]
         ):
           if off > pos:
             parts.append(jnp.zeros((off - pos,), dt))
           parts.append(local[key].reshape(-1).astype(dt))
           pos = off + math.prod(shape)
-        if lay.sizes[dt] > pos:
-          parts.append(jnp.zeros((lay.sizes[dt] - pos,), dt))
+        if lay.sizes[lane] > pos:
+          parts.append(jnp.zeros((lay.sizes[lane] - pos,), dt))
         outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
       if windows is None:
         return outs, None

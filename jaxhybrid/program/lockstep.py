@@ -23,10 +23,13 @@ parameters and, per micro-batch, adding the gradient into its gradient row (assu
 here: elementwise passes, linear in bytes). On one CPU core they are not small: Adam over
 BigLSTM-small's 39 MB took 70 ms, one 39 MB add 21 ms.
 
-  + sum over groups of  fill_s_per_byte * bytes(group's output buffers)     (M > 1 only)
+  + sum over groups of  max over d (tasks of d + fill_s_per_byte * fill_d) - max over d (tasks of d)
 
-each device writes its group's whole union-sized output buffer (its own values copied in, zeros
-for the regions other devices need); the branches are the same size on every device.
+(M > 1 only) fill_d: what device d writes to build its group outputs after its tasks
+(`Structure.fill_bytes_per_device`): packed buffers (its own values copied in, zeros for the
+regions other devices need) and lanes it does not fill with exactly one value; a value as long
+as its lane is returned without a copy. An idle device's zeros cost nothing while another
+device computes.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class LockstepTime:
   transfers: int
   # Busiest device's optimizer update and gradient accumulation (0 without PassCosts).
   param_s: float = 0.0
-  # Writing the groups' output buffers (0 without PassCosts or on one device).
+  # What writing the groups' output buffers adds to the groups' times (0 without PassCosts or
+  # on one device).
   fill_s: float = 0.0
 
   @property
@@ -170,26 +174,28 @@ def program_step_s(
       return fwd[op.node]
     return bwd[op.node] / 2 if split else bwd[op.node]
 
-  compute = transfer = 0.0
+  compute = transfer = fill_s = 0.0
   count = 0
+  fill_rate = pass_costs.fill_s_per_byte if pass_costs is not None and devices > 1 else 0.0
   for g, lay in enumerate(structure.groups):
     per_device: dict[int, float] = {}
     for d, op in lay.tasks:
       per_device[d] = per_device.get(d, 0.0) + t(op)
-    compute += max(per_device.values(), default=0.0)
+    busiest = max(per_device.values(), default=0.0)
+    compute += busiest
+    if fill_rate:
+      # Each device builds its outputs after its tasks; the group waits for the slowest.
+      fills = structure.fill_bytes_per_device(g)
+      fill_s += max(per_device.get(d, 0.0) + fill_rate * b for d, b in enumerate(fills)) - busiest
     for shift, dt, _, length in structure.message_plan(g):
-      nbytes = length * jax.numpy.dtype(dt).itemsize
+      nbytes = length * jax.numpy.dtype(tasks_lib.lane_dtype(dt)).itemsize
       transfer += max(
         costs.transfer_time_s(nbytes, src, (src + shift) % devices) for src in range(devices)
       )
       count += 1
-  param_s = fill_s = 0.0
+  param_s = 0.0
   if pass_costs is not None:
     param_s = max(pass_costs.time_s(b, k) for b in param_bytes_per_device(graph, assignment))
-    if devices > 1:
-      fill_s = pass_costs.fill_s_per_byte * sum(
-        structure.output_bytes(g) for g in range(len(structure.groups))
-      )
   return LockstepTime(
     compute_s=compute, transfer_s=transfer, groups=len(structure.groups), transfers=count,
     param_s=param_s, fill_s=fill_s,

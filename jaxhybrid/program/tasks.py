@@ -10,12 +10,15 @@ F / B / W tasks. The SPMD program runs them in lock step:
 - a task goes to the first *slot* after its device's previous task and after the slots of the
   tasks whose values it reads; consecutive slots merge into a *group* unless a task reads a
   value another device made in the group. A group is one `lax.switch` on the model index;
-- each group's conditional returns, per dtype, ONE flat buffer per device: first a region per
-  message direction (shift), then the values the device keeps for itself (residuals included).
-  Every region is as long as the longest device's part, so the buffer is the union of what the
-  devices need (the largest device's outputs), not the sum;
-- after the group, one `ppermute` per (shift, dtype) sends each region to device + shift; the
-  receiver reads its values at static offsets. Reads are always static slices of a buffer.
+- each group's conditional returns, per dtype, ONE flat packed buffer per device for its small
+  values: first a region per message direction (shift), then the values the device keeps for
+  itself (residuals included); every region is as long as the longest device's part, so the
+  buffer is the union of what the devices need (the largest device's outputs), not the sum.
+  Values of at least `task_schedule.LANE_MIN_BYTES` get *lanes* of their own instead (the j-th largest of every
+  device shares lane j, as long as the longest): a value as long as its lane is returned as it
+  is, with no copy;
+- after the group, one `ppermute` per (shift, dtype) region and per message lane sends it to
+  device + shift; the receiver reads its values at static offsets.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
+from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule, lockstep_groups
 
 END = -1  # the "group" of the final read (the loss)
@@ -37,7 +41,7 @@ END = -1  # the "group" of the final read (the loss)
 class Loc:
   """Where a device reads a value: buffer id, static offset, shape and dtype."""
 
-  buf: tuple  # ('out', group, dtype) or ('recv', group, shift, dtype)
+  buf: tuple  # ('out', group, lane) or ('recv', group, shift, lane)
   offset: int
   shape: tuple[int, ...]
   dtype: str
@@ -69,8 +73,8 @@ class GroupLayout:
   """A group's tasks and the layout of its output buffers."""
 
   tasks: list[tuple[int, Op]]  # (device, op), per device in schedule order
-  sizes: dict[str, int]  # dtype -> buffer length (elements)
-  regions: dict[tuple[int, str], tuple[int, int]]  # (shift, dtype) -> (start, length)
+  sizes: dict[str, int]  # lane (dtype name, or an own lane 'float32@1#0') -> length (elements)
+  regions: dict[tuple[int, str], tuple[int, int]]  # (shift, lane) -> (start, length)
   # device -> [(key, dtype, offset, shape)] in write order (what its branch returns)
   writes: dict[int, list[tuple[Any, str, int, tuple[int, ...]]]]
 
@@ -91,12 +95,57 @@ class Structure:
   devices: int
 
   def message_plan(self, g: int) -> list[tuple[int, str, int, int]]:
-    """(shift, dtype, start, length) of each message after group g."""
+    """(shift, lane, start, length) of each message after group g (`lane_dtype` gives the dtype)."""
     return [(s, dt, a, n) for (s, dt), (a, n) in sorted(self.groups[g].regions.items())]
 
   def output_bytes(self, g: int) -> int:
-    """Bytes of group g's conditional outputs per device (all dtypes; gradients excluded)."""
-    return sum(n * np.dtype(dt).itemsize for dt, n in self.groups[g].sizes.items())
+    """Bytes of group g's conditional outputs per device (all lanes; gradients excluded)."""
+    return sum(n * np.dtype(lane_dtype(b)).itemsize for b, n in self.groups[g].sizes.items())
+
+  def fill_bytes_per_device(self, g: int) -> list[int]:
+    """Per device, the bytes it writes to build group g's outputs: every lane it does not fill
+    with exactly one value of the lane's length (values copied side by side, zeros)."""
+    lay = self.groups[g]
+    out = []
+    for d in range(self.devices):
+      mine: dict[str, list[int]] = {}
+      for _, lane, _, shape in lay.writes.get(d, ()):
+        mine.setdefault(lane, []).append(int(math.prod(shape)))
+      out.append(sum(
+        n * np.dtype(lane_dtype(lane)).itemsize for lane, n in lay.sizes.items()
+        if mine.get(lane) != [n]
+      ))
+    return out
+
+  def fill_bytes(self, g: int) -> int:
+    """The most bytes one device writes to build group g's outputs (`fill_bytes_per_device`)."""
+    return max(self.fill_bytes_per_device(g), default=0)
+
+
+def lane_dtype(lane: str) -> str:
+  """The dtype name of a lane ('float32' packed, 'float32@1#0' or 'float32@k#0' own lanes)."""
+  return lane.split("@", 1)[0]
+
+
+def split_lanes(
+  by_src: dict[int, list[Any]], nbytes: dict[Any, int], min_bytes: int
+) -> tuple[dict[int, list[Any]], list[dict[int, list[Any]]]]:
+  """Per source device, its values split into the small ones (packed, in order) and lanes: the
+  j-th largest large value of every source shares lane j (as long as the longest)."""
+  small: dict[int, list[Any]] = {}
+  big: dict[int, list[Any]] = {}
+  for src, keys in by_src.items():
+    large = [key for key in keys if nbytes[key] >= min_bytes]
+    rest = [key for key in keys if nbytes[key] < min_bytes]
+    if rest:
+      small[src] = rest
+    if large:
+      big[src] = sorted(large, key=lambda key: -nbytes[key])
+  lanes = [
+    {src: [keys[j]] for src, keys in big.items() if j < len(keys)}
+    for j in range(max((len(keys) for keys in big.values()), default=0))
+  ]
+  return small, lanes
 
 
 def _is_float(aval: Any) -> bool:
@@ -109,6 +158,7 @@ def build(
   schedule: TaskSchedule,
   residuals: Callable[[int], Residuals],
   remat: frozenset[int] = frozenset(),
+  lane_min_bytes: int | None = None,
 ) -> Structure:
   """Values, slots, groups, buffer layouts and read locations of a validated task schedule.
 
@@ -118,7 +168,11 @@ def build(
     schedule: the per-device task order (validated by `task_schedule.validate`).
     residuals: node id -> what its F saves (`Residuals`); not called for `remat` nodes.
     remat: nodes whose F saves nothing (their B replays the forward from the arguments).
+    lane_min_bytes: values of at least this many bytes get a lane of their own (default
+      task_schedule.LANE_MIN_BYTES).
   """
+  if lane_min_bytes is None:
+    lane_min_bytes = sched_lib.LANE_MIN_BYTES
   devices = len(schedule.devices)
   node_out = {v: n.id for n in graph.nodes for v in n.outvars}
   loss_var = graph.jaxpr.outvars[0]
@@ -198,6 +252,9 @@ def build(
   # ---- per group: outputs, regions, locations ----------------------------------------------------
   locs: dict[tuple[Any, int], Loc] = {}
   layouts = []
+  nbytes = {
+    key: int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize for key, a in avals.items()
+  }
   for g, tasks in enumerate(grouped):
     out_keys: list[tuple[int, Any]] = []  # (maker device, key), in task order
     for d, op in tasks:
@@ -218,7 +275,23 @@ def build(
     regions: dict[tuple[int, str], tuple[int, int]] = {}
     writes: dict[int, list[tuple[Any, str, int, tuple[int, ...]]]] = {d: [] for d in range(devices)}
     size_of = lambda key: int(math.prod(avals[key].shape))  # noqa: E731
+    # Lanes: small values of a dtype share the packed lane (regions, then kept values); each
+    # large value gets a lane of its own (returned and sent as it is, not copied into a buffer).
+    msg_lanes: list[tuple[int, str, dict[int, list[Any]]]] = []
+    kept_lanes: list[tuple[str, dict[int, list[Any]]]] = []
+    packed_payload: dict[tuple[int, str], dict[int, list[Any]]] = {}
+    packed_kept: dict[str, dict[int, list[Any]]] = {}
     for (s, dt), by_src in sorted(payload.items()):
+      small, big = split_lanes(by_src, nbytes, lane_min_bytes)
+      if small:
+        packed_payload[(s, dt)] = small
+      msg_lanes += [(s, f"{dt}@{s}#{j}", lane) for j, lane in enumerate(big)]
+    for dt, by_dev in sorted(kept.items()):
+      small, big = split_lanes(by_dev, nbytes, lane_min_bytes)
+      if small:
+        packed_kept[dt] = small
+      kept_lanes += [(f"{dt}@k#{j}", lane) for j, lane in enumerate(big)]
+    for (s, dt), by_src in sorted(packed_payload.items()):
       start = sizes.get(dt, 0)
       length = max(sum(size_of(key) for key in keys) for keys in by_src.values())
       regions[(s, dt)] = (start, length)
@@ -231,7 +304,7 @@ def build(
           locs.setdefault((key, src), Loc(("out", g, dt), start + off, shape, dt))
           locs[(key, (src + s) % devices)] = Loc(("recv", g, s, dt), off, shape, dt)
           off += size_of(key)
-    for dt, by_dev in sorted(kept.items()):
+    for dt, by_dev in sorted(packed_kept.items()):
       start = sizes.get(dt, 0)
       length = max(sum(size_of(key) for key in keys) for keys in by_dev.values())
       sizes[dt] = start + length
@@ -242,6 +315,20 @@ def build(
           writes[d].append((key, dt, start + off, shape))
           locs[(key, d)] = Loc(("out", g, dt), start + off, shape, dt)
           off += size_of(key)
+    for s, lane, by_src in msg_lanes:
+      sizes[lane] = max(size_of(keys[0]) for keys in by_src.values())
+      regions[(s, lane)] = (0, sizes[lane])
+      for src, (key,) in by_src.items():
+        shape, dt = tuple(avals[key].shape), lane_dtype(lane)
+        writes[src].append((key, lane, 0, shape))
+        locs.setdefault((key, src), Loc(("out", g, lane), 0, shape, dt))
+        locs[(key, (src + s) % devices)] = Loc(("recv", g, s, lane), 0, shape, dt)
+    for lane, by_dev in kept_lanes:
+      sizes[lane] = max(size_of(keys[0]) for keys in by_dev.values())
+      for d, (key,) in by_dev.items():
+        shape = tuple(avals[key].shape)
+        writes[d].append((key, lane, 0, shape))
+        locs[(key, d)] = Loc(("out", g, lane), 0, shape, lane_dtype(lane))
     layouts.append(GroupLayout(tasks=tasks, sizes=sizes, regions=regions, writes=writes))
   return Structure(
     schedule=schedule, groups=layouts, locs=locs, reads=reads, makes=makes, avals=avals,
@@ -277,10 +364,10 @@ def live_bytes(structure: Structure) -> list[int]:
   born: dict[tuple, int] = {}
   for g, lay in enumerate(structure.groups):
     for dt, length in lay.sizes.items():
-      size[("out", g, dt)] = length * np.dtype(dt).itemsize
+      size[("out", g, dt)] = length * np.dtype(lane_dtype(dt)).itemsize
       born[("out", g, dt)] = g
     for (s, dt), (_, length) in lay.regions.items():
-      size[("recv", g, s, dt)] = length * np.dtype(dt).itemsize
+      size[("recv", g, s, dt)] = length * np.dtype(lane_dtype(dt)).itemsize
       born[("recv", g, s, dt)] = g
   out = []
   for g in range(n):
