@@ -61,7 +61,8 @@ if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver
 
   localcluster.worker_setup()
 
-import chain_model  # experiments/ (the script's folder)
+import bench_baselines  # experiments/ (the script's folder)
+import chain_model
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
@@ -97,6 +98,10 @@ flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatabl
 flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
 flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
                      "--workdir (default: measure them again, under this run's conditions).")
+flags.DEFINE_integer("lane_min_bytes", -1, "Values of at least this many bytes leave a group in "
+                     "a buffer of their own (-1: task_schedule.LANE_MIN_BYTES).")
+flags.DEFINE_integer("group_grad_bytes", -1, "Most gradient bytes per device in one group "
+                     "(-1: task_schedule.GROUP_GRAD_BYTES).")
 flags.DEFINE_string("out", "", "Write the JSON results here.")
 flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
 flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
@@ -138,23 +143,6 @@ def _batch_k(name: str) -> tuple[int, int]:
   return FLAGS.batch or b, FLAGS.microbatches or k
 
 
-def _timeit(fn, state, batch, steps, warmup):
-  import jax
-
-  for _ in range(warmup):
-    state, m = fn(state, batch)
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = fn(state, batch)
-    jax.block_until_ready((state, m))
-    times.append(time.perf_counter() - t0)
-  import numpy as np
-
-  return float(np.median(times)), state
-
-
 class _ChainSpec:
   """The uniform chain (chain_model.py) with the registry spec's interface."""
 
@@ -187,42 +175,6 @@ def _model(name):
   else:
     spec = models.get(name, FLAGS.size, **_overrides())
   return spec, spec.make(nnx.Rngs(0))
-
-
-def _plain_step(pure, opt):
-  import jax
-  import optax
-
-  def step(carry, batch):
-    params, opt_state, state = carry
-    loss, g = jax.value_and_grad(pure)(params, state, batch)
-    u, opt_state = opt.update(g, opt_state, params)
-    return (optax.apply_updates(params, u), opt_state, state), loss
-
-  return step
-
-
-def _bucketed_dp_step(pure, opt, mesh, carry, batch):
-  """Data parallelism over 'data' with every gradient in one flat buffer and one pmean."""
-  import jax
-  import optax
-  from jax.flatten_util import ravel_pytree
-  from jax.sharding import PartitionSpec as P
-
-  carry_spec = jax.tree.map(lambda _: P(), carry)
-  batch_spec = jax.tree.map(lambda x: x.sharding.spec, batch)
-
-  def body(c, b):
-    params, opt_state, state = c
-    loss, g = jax.value_and_grad(pure)(params, state, b)
-    flat, unravel = ravel_pytree(g)
-    g = unravel(jax.lax.pmean(flat, "data"))
-    u, opt_state = opt.update(g, opt_state, params)
-    return (optax.apply_updates(params, u), opt_state, state), jax.lax.pmean(loss, "data")
-
-  f = jax.shard_map(body, mesh=mesh, in_specs=(carry_spec, batch_spec),
-                    out_specs=(carry_spec, P()), check_vma=False)
-  return jax.jit(f, donate_argnums=0)
 
 
 # ---- worker roles -----------------------------------------------------------------------------
@@ -310,9 +262,9 @@ def role_single(work: pathlib.Path, name: str) -> None:
   full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work)).step_time_s(g_full)
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
   _, p_plain, s_plain, pure_plain = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
-  step = jax.jit(_plain_step(pure_plain, opt), donate_argnums=0)
+  step = jax.jit(bench_baselines.plain_step(pure_plain, opt), donate_argnums=0)
   carry = (p_plain, opt.init(p_plain), s_plain)
-  t, _ = _timeit(step, carry, jax.tree.map(np.asarray, batch), FLAGS.steps, FLAGS.warmup)
+  t, _ = bench_baselines.timeit(step, carry, jax.tree.map(np.asarray, batch), FLAGS.steps, FLAGS.warmup)
   for c in tuned:
     c["predicted_speedup"] = full_1dev_s / c["predicted_step_s"]
     c["predicted_program_speedup"] = (full_1dev_s + update_1dev_s) / c["predicted_program_step_s"]
@@ -353,7 +305,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
                        "schedule": FLAGS.schedule},
     )
     fn = lambda st, bt: hy.program.step_fn()(st, bt)  # noqa: E731
-    return _timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)[0]
+    return bench_baselines.timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)[0]
 
   n = len(json.loads((work / f"single_{name}.json").read_text())["candidates"])
   plans = [planner.Plan.load(work / f"plan_{name}_{i}.json") for i in range(n)]
@@ -369,19 +321,19 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   m21 = mesh_lib.make("2x1")
   hy21 = api.parallelize(model, spec.loss_fn, opt, batch2, mesh=m21, microbatches=1, planner="single")
   fn21 = lambda st, bt: hy21.program.step_fn()(st, bt)  # noqa: E731
-  out["step_s_hybrid_2x1"], _ = _timeit(fn21, hy21.init(), hy21.program.shard_batch(batch2), FLAGS.steps, FLAGS.warmup)
+  out["step_s_hybrid_2x1"], _ = bench_baselines.timeit(fn21, hy21.init(), hy21.program.shard_batch(batch2), FLAGS.steps, FLAGS.warmup)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
   rep = NamedSharding(m21, P())
   put = lambda x, sh: jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])  # noqa: E731
   carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
   data_sh = lambda x: NamedSharding(m21, P("data") if np.ndim(x) and np.shape(x)[0] == 2 * b else P())  # noqa: E731
   bt = jax.tree.map(lambda x: put(x, data_sh(x)), batch2)
-  step = jax.jit(_plain_step(pure, opt), donate_argnums=0)
-  out["step_s_jit_dp"], _ = _timeit(step, carry, bt, FLAGS.steps, FLAGS.warmup)
+  step = jax.jit(bench_baselines.plain_step(pure, opt), donate_argnums=0)
+  out["step_s_jit_dp"], _ = bench_baselines.timeit(step, carry, bt, FLAGS.steps, FLAGS.warmup)
   # The DP a user would write for slow links: the gradients flattened into ONE all-reduce.
   carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
-  out["step_s_dp_bucketed"], _ = _timeit(
-    _bucketed_dp_step(pure, opt, m21, carry, bt), carry, bt, FLAGS.steps, FLAGS.warmup
+  out["step_s_dp_bucketed"], _ = bench_baselines.timeit(
+    bench_baselines.bucketed_dp_step(pure, opt, m21, carry, bt), carry, bt, FLAGS.steps, FLAGS.warmup
   )
   # 3) GSPMD tensor parallel on 1x2: each weight sharded on its largest dimension divisible by 2
   m12 = mesh_lib.make("1x2")
@@ -399,7 +351,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   opt_tp = jax.jit(opt.init)(params_tp)
   s_tp = jax.tree.map(lambda x: put(x, NamedSharding(m12, P())), s)
   bt12 = jax.tree.map(lambda x: put(x, NamedSharding(m12, P())), batch)
-  out["step_s_gspmd_tp"], _ = _timeit(jax.jit(_plain_step(pure, opt), donate_argnums=0), (params_tp, opt_tp, s_tp), bt12, FLAGS.steps, FLAGS.warmup)
+  out["step_s_gspmd_tp"], _ = bench_baselines.timeit(jax.jit(bench_baselines.plain_step(pure, opt), donate_argnums=0), (params_tp, opt_tp, s_tp), bt12, FLAGS.steps, FLAGS.warmup)
   if jax.process_index() == 0:
     (work / f"multi_{name}.json").write_text(json.dumps(out))
 
@@ -412,7 +364,8 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
-    f"--schedule={FLAGS.schedule}",
+    f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}",
+    f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]
@@ -511,6 +464,12 @@ def _write(cases: list[dict]) -> None:
 def main(argv):
   del argv
   work = pathlib.Path(FLAGS.workdir)
+  from jaxhybrid.planner import task_schedule
+
+  if FLAGS.lane_min_bytes >= 0:
+    task_schedule.LANE_MIN_BYTES = FLAGS.lane_min_bytes
+  if FLAGS.group_grad_bytes >= 0:
+    task_schedule.GROUP_GRAD_BYTES = FLAGS.group_grad_bytes
   if FLAGS.role == "calibrate":
     return role_calibrate(work)
   if FLAGS.role == "single":

@@ -7,6 +7,8 @@ only its own parameter leaves; 1F1B bounds the residuals alive and memory falls 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import optax
@@ -344,7 +346,7 @@ def test_slot_rows_keep_the_padding_within_the_fraction():
           spans.setdefault(r, []).append((lay.offset[i], lay.offset[i] + int(np.prod(shapes[i]))))
       for r, sp in spans.items():
         sp.sort()
-        assert all(a[1] <= b[0] for a, b in zip(sp, sp[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(sp))
         assert sp[-1][1] <= dict(lay.sizes)[r]
 
 
@@ -368,7 +370,7 @@ def test_own_lanes_match_reference_and_cost_no_copy(monkeypatch, schedule, mesh_
     for lane in lay.sizes:
       if "@" in lane:
         lanes += 1
-        for d, writes in lay.writes.items():
+        for writes in lay.writes.values():
           assert len([w for w in writes if w[1] == lane]) <= 1
     assert st.fill_bytes(g) <= st.output_bytes(g)
   assert lanes > 0

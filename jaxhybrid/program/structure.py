@@ -24,7 +24,6 @@ import numpy as np
 
 from jaxhybrid import graph as graph_lib
 
-
 # Owned leaves of at least this many bytes may get a slot row of their own (assumption, named
 # here: below it a copy out of the packed row costs little next to the task that reads it).
 SLOT_MIN_BYTES = 1 << 20
