@@ -253,6 +253,9 @@ def role_single(work: pathlib.Path, name: str) -> None:
       "plan_method": methods[i], "lockstep_rank": len(tuned), "predicted_step_s": cands[i].predicted_step_s,
       "plan_predicted_speedup": cands[i].predicted_speedup,
       "plan_single_device_s": cands[i].single_device_s,
+      # The plan's own lock-step price (planner.price: tasks and messages, no per-byte passes).
+      "plan_lockstep_step_s": getattr(cands[i], "lockstep_step_s", None),
+      "plan_schedule_kind": getattr(getattr(cands[i], "task_schedule", None), "kind", None),
       "predicted_program_step_s": t.step_s, "predicted_program_transfer_s": t.transfer_s,
       "predicted_program_param_s": t.param_s, "predicted_program_fill_s": t.fill_s,
       "program_groups": t.groups, "program_transfers": t.transfers,

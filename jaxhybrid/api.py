@@ -377,6 +377,10 @@ def _check_plan(
   t_plan = lockstep.plan_step_s(g, plan, costs, schedule=sched, **kw).step_s
   # One device runs the same kind of schedule (a given TaskSchedule is for the plan's devices).
   kind = sched.kind if isinstance(sched, planner_lib.TaskSchedule) else sched
+  if isinstance(sched, planner_lib.TaskSchedule) and kind not in planner_lib.task_schedule.KINDS:
+    # A plan's own order (the F/B/W MILP's 'custom'): one device runs the generated schedule of
+    # the same split.
+    kind = "zb" if sched.split else "1f1b"
   t_single = lockstep.plan_step_s(g, single, costs, schedule=kind, **kw).step_s
   slower = t_plan > t_single
   check = PlanCheck(
