@@ -304,10 +304,11 @@ def run_groups(
   inp: Inputs,
   consts: dict[Any, Any],
 ) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
-  """Runs every group; returns (this device's loss share, gradient rows, shared gradients).
+  """Runs every group; returns (this device's loss share, flat gradients, shared gradients).
 
   The loss share is the mean over micro-batches on the loss node's device and 0 elsewhere; the
-  gradient rows are this device's own (other devices' leaves never appear).
+  flat gradients are one buffer per dtype holding this device's own gradient rows side by side
+  (other devices' leaves never appear; `cut_rows` gives the rows).
   """
   g = calls.graph
   k = st.schedule.microbatches
@@ -520,8 +521,17 @@ def run_groups(
   loss = total / k
   if M > 1:
     loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
-  rows = {
-    r: lax.slice(grads[structure_lib.row_dtype(r)], (base[r],), (base[r] + n,))
-    for r, n in layout.sizes
-  }
-  return loss, rows, gshared
+  return loss, grads, gshared
+
+
+def cut_rows(layout: ParamLayout, flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The gradient rows (`layout.sizes` keys) cut from `run_groups`' flat buffers per dtype (the
+  rows of a dtype lie side by side in `layout.sizes` order). Cut last, just before the
+  optimizer: slices with one elementwise reader are fused into it, not copied."""
+  out, pos = {}, {}
+  for r, n in layout.sizes:
+    dt = structure_lib.row_dtype(r)
+    at = pos.get(dt, 0)
+    out[r] = flat[dt] if (at == 0 and n == flat[dt].shape[0]) else lax.slice(flat[dt], (at,), (at + n,))
+    pos[dt] = at + n
+  return out

@@ -257,7 +257,7 @@ class HybridProgram:
     self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any],
     batch: Sequence[Any],
   ) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
-    """Runs the task schedule on one device: (loss share, own gradient rows, shared grads)."""
+    """Runs the task schedule on one device: (loss share, own flat gradients, shared grads)."""
     k = self.microbatches
     mbatches = []
     for j, x in enumerate(batch):
@@ -296,7 +296,10 @@ class HybridProgram:
         g_shared = [lax.pmean(x, DATA) for x in g_shared]
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
-      grads = {"owned": jax.tree.map(lambda x: x[None], g_owned), "shared": g_shared}
+      # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
+      # from it only now, for the optimizer alone.
+      g_rows = executor.cut_rows(self.layout, g_owned)
+      grads = {"owned": jax.tree.map(lambda x: x[None], g_rows), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       return params, opt_state, loss, (sq_worker, sq_global)

@@ -166,8 +166,8 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
         at = base[first] + (start + j) % (n - window + 1)
         cur = jax.lax.dynamic_slice(flat[dt], (at,), (window,))
         flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
-    rows = {r: flat[row_dtype(r)][base[r] : base[r] + n] for r, n in layout.sizes}
-    sq = executor.sum_of_squares(rows) + executor.sum_of_squares(g["shared"])
+    sq = executor.sum_of_squares(flat) + executor.sum_of_squares(g["shared"])
+    rows = executor.cut_rows(layout, flat)
     g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
     u, o = optimizer.update(g, o, p)
     return optax.apply_updates(p, u), o, sq

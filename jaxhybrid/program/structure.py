@@ -24,9 +24,13 @@ import numpy as np
 
 from jaxhybrid import graph as graph_lib
 
-# Owned leaves of at least this many bytes may get a slot row of their own (assumption, named
-# here: below it a copy out of the packed row costs little next to the task that reads it).
-SLOT_MIN_BYTES = 1 << 20
+# Owned leaves of at least this many bytes may get a slot row of their own; None (the default)
+# makes none. Opt in with e.g. 1 << 20 (below 1 MiB a copy out of the packed row costs little
+# next to the task that reads it). Off by default because the gradient rows of several rows are
+# cut from one flat buffer before the optimizer, which on the CPU cost paper BigLSTM (AdaGrad,
+# 1x2) 1.3 GiB more per device and its fit in 16 GiB; on the uniform 8 x 1024 chain slot rows
+# made the step 8 % faster.
+SLOT_MIN_BYTES: int | None = None
 # Slot rows pad each slot to its longest leaf; a slot is made only while the rows of a dtype stay
 # within this fraction above one flat row padded to the largest device (assumption, named here:
 # 5 % more parameter, gradient and optimizer bytes per device for reading weights in place).
@@ -86,6 +90,8 @@ def param_layout(
   """Assigns every parameter leaf to the device of the nodes that read it (or shares it), and
   to a row of that device (module docstring; defaults SLOT_MIN_BYTES, SLOT_EXTRA_FRACTION)."""
   min_bytes = SLOT_MIN_BYTES if slot_min_bytes is None else slot_min_bytes
+  if min_bytes is None:
+    min_bytes = float("inf")
   extra = SLOT_EXTRA_FRACTION if slot_extra_fraction is None else slot_extra_fraction
   avals = graph.param_avals
   users: list[set[int]] = [set() for _ in avals]
