@@ -99,9 +99,9 @@ flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, p
 flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
                      "--workdir (default: measure them again, under this run's conditions).")
 flags.DEFINE_integer("lane_min_bytes", -1, "Values of at least this many bytes leave a group in "
-                     "a buffer of their own (-1: task_schedule.LANE_MIN_BYTES).")
+                     "a buffer of their own (-1: lockstep_rule.LANE_MIN_BYTES).")
 flags.DEFINE_integer("group_grad_bytes", -1, "Most gradient bytes per device in one group "
-                     "(-1: task_schedule.GROUP_GRAD_BYTES).")
+                     "(-1: lockstep_rule.GROUP_GRAD_BYTES).")
 flags.DEFINE_string("out", "", "Write the JSON results here.")
 flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
 flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
@@ -467,12 +467,12 @@ def _write(cases: list[dict]) -> None:
 def main(argv):
   del argv
   work = pathlib.Path(FLAGS.workdir)
-  from jaxhybrid.planner import task_schedule
+  from jaxhybrid.planner import lockstep_rule
 
   if FLAGS.lane_min_bytes >= 0:
-    task_schedule.LANE_MIN_BYTES = FLAGS.lane_min_bytes
+    lockstep_rule.LANE_MIN_BYTES = FLAGS.lane_min_bytes
   if FLAGS.group_grad_bytes >= 0:
-    task_schedule.GROUP_GRAD_BYTES = FLAGS.group_grad_bytes
+    lockstep_rule.GROUP_GRAD_BYTES = FLAGS.group_grad_bytes
   if FLAGS.role == "calibrate":
     return role_calibrate(work)
   if FLAGS.role == "single":

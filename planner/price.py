@@ -2,7 +2,7 @@
 the asynchronous makespan of the same per-device orders.
 
 The program (jaxhybrid.program) runs a TaskSchedule in lock step: slots and groups by the rule of
-`task_schedule.lockstep_groups`, one `lax.switch` per group, then one `ppermute` per (shift,
+`lockstep_rule.lockstep_groups`, one `lax.switch` per group, then one `ppermute` per (shift,
 dtype) of the values that leave the group for another device. `lockstep_price` is that structure
 priced with the problem's numbers (program.lockstep.program_step_s prices the program itself):
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from jaxhybrid.planner import task_schedule as ts
+from jaxhybrid.planner import lockstep_rule
 from jaxhybrid.planner.problem import Problem
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule
 
@@ -77,8 +77,8 @@ def task_reads(problem: Problem, schedule: TaskSchedule) -> dict[Op, list[Op]]:
 def groups_of(
   problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
 ) -> list[list[tuple[int, Op]]]:
-  """The lock-step groups of `schedule` (task_schedule.lockstep_groups)."""
-  _, groups = ts.lockstep_groups(
+  """The lock-step groups of `schedule` (lockstep_rule.lockstep_groups)."""
+  _, groups = lockstep_rule.lockstep_groups(
     schedule, problem.edges, assignment, task_reads(problem, schedule),
     grad_bytes=problem.param_bytes or None)
   return groups
@@ -147,8 +147,8 @@ def lockstep_price(
         small, big = {}, {}
         for a, items in by_src.items():
           sizes = [problem.value_bytes[v] for _, v, _ in items]
-          small[a] = sum(b for b in sizes if b < ts.LANE_MIN_BYTES)
-          big[a] = sorted((b for b in sizes if b >= ts.LANE_MIN_BYTES), reverse=True)
+          small[a] = sum(b for b in sizes if b < lockstep_rule.LANE_MIN_BYTES)
+          big[a] = sorted((b for b in sizes if b >= lockstep_rule.LANE_MIN_BYTES), reverse=True)
         lengths = [max(small.values())] if any(small.values()) else []
         lengths += [max(b[j] for b in big.values() if j < len(b))
                     for j in range(max(len(b) for b in big.values()))]

@@ -85,7 +85,7 @@ class Problem:
   # Memory of one device in bytes (the hardware's), the default memory cap; 0 = unknown.
   device_memory_bytes: int = 0
   # Parameter bytes per node (what its gradient task writes into the gradient row; the program
-  # groups gradient tasks by it, task_schedule.GROUP_GRAD_BYTES); () = unknown.
+  # groups gradient tasks by it, lockstep_rule.GROUP_GRAD_BYTES); () = unknown.
   param_bytes: tuple[int, ...] = ()
 
   def __post_init__(self):

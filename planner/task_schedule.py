@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jaxhybrid.planner.problem import FORWARD_SHARE
@@ -101,21 +101,6 @@ class TaskSchedule:
         peak = max(peak, sum(1 for c in first if first[c] <= pos <= last.get(c, pos)))
       out.append(peak)
     return out
-
-
-# The most bytes of parameter gradients one device's tasks of one lock-step group may write
-# (assumption, named here): they leave the group's conditional together, so a larger figure
-# means fewer groups (fewer synchronisations and messages) and more memory held at once. 64 MiB
-# lets a stage of mid-sized layers (a 2048x2048 float32 chain: 4 layers) finish its backward in
-# one group, and keeps a large gradient (paper BigLSTM's 3 GiB softmax) alone.
-GROUP_GRAD_BYTES = 64 << 20
-
-# A value of at least this many bytes leaves its group's conditional in a buffer (a *lane*) of
-# its own, returned and sent as the array the task made; smaller ones are copied side by side
-# into the group's packed buffer of their dtype (assumption, named here: one message more costs
-# the link's latency, ~0.1-0.2 ms between two CPU processes over gloo, about what copying
-# 256 KiB costs on one core). The program (program.tasks) and the planner's pricer follow it.
-LANE_MIN_BYTES = 256 << 10
 
 
 def depths(
@@ -445,105 +430,3 @@ def timeline(
         pos[d] += 1
         progress = True
   return out
-
-
-
-def lockstep_groups(
-  schedule: TaskSchedule,
-  edges: Sequence[tuple[int, int]],
-  assignment: Sequence[int],
-  reads: Mapping[Op, Sequence[Op]],
-  grad_bytes: Sequence[int] | None = None,
-  group_grad_bytes: int | None = None,
-) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
-  """Slots and groups of a task schedule run in lock step (the rule `program.tasks` builds).
-
-  - A task goes to the first *slot* after its device's previous task and after the slots of the
-    tasks it depends on (`dependencies`) and of the tasks whose values it reads (`reads`).
-  - Consecutive slots merge into one *group* (one `lax.switch`) unless a task of the slot reads
-    a value another device made in the current group, or a device's gradient tasks (B unsplit,
-    or W) in the group would write more than `group_grad_bytes` of parameter gradients: they
-    leave the conditional together (as windows of the device's row), so this bounds the extra
-    memory a group holds. A device's first gradient task in a group is always allowed.
-
-  Args:
-    schedule: the per-device task order.
-    edges: the DAG's edges (src, dst).
-    assignment: node -> device.
-    reads: task -> the tasks that make the values it reads (activations, cotangents, residuals).
-      Tasks absent read nothing beyond their dependencies.
-    grad_bytes: per node, the bytes of the parameter gradient its gradient task writes (the
-      node's parameter bytes). None: unknown, every gradient task ends up alone in its group
-      (per device).
-    group_grad_bytes: the most gradient bytes one device's tasks of a group may write (default
-      GROUP_GRAD_BYTES); distinct nodes counted once.
-
-  Returns:
-    (slots, groups): each a list of [(device, task), ...], tasks of a device in schedule order
-    (groups: sorted by device within each slot).
-
-  Raises:
-    ValueError: the device orders wait on each other (no lock-step run exists).
-  """
-  devices = len(schedule.devices)
-  num_nodes = len(assignment)
-  preds, succs = _adjacency(num_nodes, edges)
-  slot_of: dict[Op, int] = {}
-  pos = [0] * devices
-  last = [-1] * devices
-  slots: list[list[tuple[int, Op]]] = []
-  remaining = sum(len(ops) for ops in schedule.devices)
-  while remaining:
-    progress = False
-    for d, ops in enumerate(schedule.devices):
-      while pos[d] < len(ops):
-        op = ops[pos[d]]
-        deps = list(reads.get(op, ())) + dependencies(op, preds, succs, schedule.split)
-        if any(t not in slot_of for t in deps):
-          break
-        s = max([last[d] + 1] + [slot_of[t] + 1 for t in deps])
-        while len(slots) <= s:
-          slots.append([])
-        slots[s].append((d, op))
-        slot_of[op] = s
-        last[d] = s
-        pos[d] += 1
-        remaining -= 1
-        progress = True
-    if not progress:
-      raise ValueError("the task schedule cannot run in lock step (device orders wait on each other)")
-  groups: list[list[tuple[int, Op]]] = []
-  made_in: dict[Op, int] = {}  # task of the current group -> its device
-  grad_nodes: dict[int, set[int]] = {}  # device -> nodes of its gradient tasks in the group
-  cap = GROUP_GRAD_BYTES if group_grad_bytes is None else group_grad_bytes
-
-  def grad_task(op: Op) -> bool:
-    return op.kind == "W" or (op.kind == "B" and not schedule.split)
-
-  def too_many(d: int, nodes: set[int]) -> bool:
-    if not nodes:
-      return False
-    if grad_bytes is None:
-      return len(nodes) > 1
-    return sum(grad_bytes[n] for n in nodes) > cap
-
-  for slot in slots:
-    crosses = any(made_in.get(t, d) != d for d, op in slot for t in reads.get(op, ()))
-    if not crosses:
-      for d in {d for d, op in slot if grad_task(op)}:
-        have = grad_nodes.get(d, set())
-        new = have | {op.node for dd, op in slot if dd == d and grad_task(op)}
-        if have and too_many(d, new):
-          crosses = True
-          break
-    if crosses or not groups:
-      groups.append([])
-      made_in = {}
-      grad_nodes = {}
-    for d, op in slot:
-      if grad_task(op):
-        grad_nodes.setdefault(d, set()).add(op.node)
-    for d, op in sorted(slot):
-      groups[-1].append((d, op))
-      made_in[op] = d
-  return slots, groups

@@ -18,7 +18,7 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import planner
 from jaxhybrid.api import microbatch_spec
-from jaxhybrid.planner import fbw_milp, fbw_search, price
+from jaxhybrid.planner import fbw_milp, fbw_search, lockstep_rule, price
 from jaxhybrid.planner import task_schedule as ts
 from jaxhybrid.planner.problem import FORWARD_SHARE, Problem
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule
@@ -311,10 +311,10 @@ def test_gradient_tasks_share_a_group_up_to_the_byte_cap(split):
     return out
 
   small = [10] * 6
-  _, merged = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
+  _, merged = lockstep_rule.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
                                  group_grad_bytes=30)
-  _, alone = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=None)
-  _, capped = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
+  _, alone = lockstep_rule.lockstep_groups(sched, edges, assignment, reads, grad_bytes=None)
+  _, capped = lockstep_rule.lockstep_groups(sched, edges, assignment, reads, grad_bytes=small,
                                  group_grad_bytes=15)
   for groups, most in ((merged, 3), (alone, 1), (capped, 1)):
     per = grad_nodes_per_group(groups)
@@ -325,6 +325,6 @@ def test_gradient_tasks_share_a_group_up_to_the_byte_cap(split):
   assert max(len(n) for p in grad_nodes_per_group(merged) for n in p.values()) == 3
   assert len(merged) < len(alone)
   # A node larger than the cap still runs (alone in its group's gradient part).
-  _, big = ts.lockstep_groups(sched, edges, assignment, reads, grad_bytes=[100] * 6,
+  _, big = lockstep_rule.lockstep_groups(sched, edges, assignment, reads, grad_bytes=[100] * 6,
                               group_grad_bytes=15)
   assert all(len(n) == 1 for p in grad_nodes_per_group(big) for n in p.values())

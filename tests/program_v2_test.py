@@ -23,8 +23,8 @@ from program_test import (
   split_lstm,
 )
 
-from jaxhybrid.planner import task_schedule
-from jaxhybrid.program import executor, structure
+from jaxhybrid.planner import lockstep_rule, task_schedule
+from jaxhybrid.program import executor, gradients, structure
 
 SCHEDULES = ["gpipe", "1f1b", "zb"]
 MESHES = ["1x1", "2x1", "1x2", "2x2", "4x2"]
@@ -91,7 +91,7 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
   st = prog.structure
   per_group = [st.output_bytes(g) for g in range(len(st.groups))]
   # The conditional also returns the group's gradient window (one node's parameter gradients).
-  windows = executor.gradient_windows(st, prog.graph, prog.layout)
+  windows = gradients.gradient_windows(st, prog.graph, prog.layout)
   want = [
     b + sum(w.nbytes for w in (ws or []))
     for b, ws in zip(per_group, windows)
@@ -271,7 +271,7 @@ def test_one_window_per_leaf_matches_reference(monkeypatch, schedule, mesh_spec)
   """With every touched leaf in a window of its own (the rule for leaves >= WINDOW_SPLIT_BYTES,
   forced here for all), the step still equals the reference, and a device's window that holds
   one unclamped leaf is exactly that leaf's length (returned as it is: no concatenation)."""
-  monkeypatch.setattr(executor, "WINDOW_SPLIT_BYTES", 0)
+  monkeypatch.setattr(gradients, "WINDOW_SPLIT_BYTES", 0)
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
   batch = toy.lstm_batch(16)
   opt = optax.adam(1e-2)
@@ -279,7 +279,7 @@ def test_one_window_per_leaf_matches_reference(monkeypatch, schedule, mesh_spec)
     model, toy.lstm_loss, batch, mesh_spec, split_lstm, 2, opt, schedule=schedule
   )
   lay = prog.layout
-  all_windows = executor.gradient_windows(prog.structure, prog.graph, lay, split_bytes=0)
+  all_windows = gradients.gradient_windows(prog.structure, prog.graph, lay, split_bytes=0)
   lone = 0
   for ws in all_windows:
     for w in ws or []:
@@ -355,7 +355,7 @@ def test_own_lanes_match_reference_and_cost_no_copy(monkeypatch, schedule, mesh_
   """Every value in a lane of its own (LANE_MIN_BYTES forced to 0): the step equals the
   reference; each lane holds one value per device, and a device whose value fills its lane
   writes no fill bytes for it."""
-  monkeypatch.setattr(task_schedule, "LANE_MIN_BYTES", 0)
+  monkeypatch.setattr(lockstep_rule, "LANE_MIN_BYTES", 0)
   model = toy.Exchange(rngs=nnx.Rngs(4))
   batch = toy.regression_batch(16, seed=2)
   opt = optax.adam(1e-2)

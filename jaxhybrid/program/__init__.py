@@ -2,8 +2,9 @@
 
 Owns the hybrid program (`hybrid`: shard_map, per-group `lax.switch` on the model index,
 micro-batches, gradient all-reduce over 'data', optax inside), its static structure from a plan
-(`structure`: parameter layout, slots, groups, messages), parameter rows owned per device
-(`param_rows`), message sends (`transfers`), the batch shapes a step accepts (`batch_shapes`),
+(`structure`: parameter layout; `tasks`: slots, groups, buffers, lanes, messages), the tasks run
+in each group (`executor`), the gradient windows and flat gradient buffers (`gradients`),
+parameter rows owned per device (`param_rows`), the batch shapes a step accepts (`batch_shapes`),
 the lock-step price of a plan as the program runs it (`lockstep`), and the one-core-per-device
 CPU cluster used to time it (`localcluster`).
 

@@ -40,7 +40,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.program import batch_shapes, executor, param_rows
+from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import (
   DEFAULT_PACK_MAX_BYTES,
@@ -62,7 +62,7 @@ CHECK_VMA = False
 
 def _sq(tree: Any, psum_axis: str | None = None) -> jax.Array:
   """Sum of squares of a gradient pytree (psum'd over `psum_axis` for per-device shares)."""
-  total = executor.sum_of_squares(tree)
+  total = gradients.sum_of_squares(tree)
   return lax.psum(total, psum_axis) if psum_axis else total
 
 
@@ -298,7 +298,7 @@ class HybridProgram:
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
       # from it only now, for the optimizer alone.
-      g_rows = executor.cut_rows(self.layout, g_owned)
+      g_rows = gradients.cut_rows(self.layout, g_owned)
       grads = {"owned": jax.tree.map(lambda x: x[None], g_rows), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)

@@ -8,7 +8,7 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
 - live buffers: the peak over the step of the task groups' output buffers and messages
   (activations, cotangents, residuals; `program.tasks.live_bytes`), which the schedule decides;
 - gradient windows: the largest set of gradient-row windows one group's conditional returns
-  (one node's parameter gradients; `program.executor.gradient_windows`), plus the gradients a
+  (one node's parameter gradients; `program.gradients.gradient_windows`), plus the gradients a
   branch concatenates into a shared window before returning it (a leaf alone is not copied);
 - update_temp: what the step's tail needs beyond parameters, optimizer state and gradient row,
   measured: XLA's compiled temp of the last window's addition, the squared norms and the
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
-from jaxhybrid.program import executor
+from jaxhybrid.program import gradients
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import TrainState, row_dtype
 
@@ -166,8 +166,8 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
         at = base[first] + (start + j) % (n - window + 1)
         cur = jax.lax.dynamic_slice(flat[dt], (at,), (window,))
         flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
-    sq = executor.sum_of_squares(flat) + executor.sum_of_squares(g["shared"])
-    rows = executor.cut_rows(layout, flat)
+    sq = gradients.sum_of_squares(flat) + gradients.sum_of_squares(g["shared"])
+    rows = gradients.cut_rows(layout, flat)
     g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
     u, o = optimizer.update(g, o, p)
     return optax.apply_updates(p, u), o, sq
@@ -240,7 +240,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     _nbytes(x) // (W if pe else 1) for x, pe in zip(batch, prog.per_example)
   )
   owned = lay.bytes_per_device()
-  all_windows = [ws for ws in executor.gradient_windows(prog.structure, prog.graph, lay) if ws]
+  all_windows = [ws for ws in gradients.gradient_windows(prog.structure, prog.graph, lay) if ws]
   window = max(
     (sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws) for ws in all_windows), default=0
   )

@@ -14,7 +14,7 @@ F / B / W tasks. The SPMD program runs them in lock step:
   values: first a region per message direction (shift), then the values the device keeps for
   itself (residuals included); every region is as long as the longest device's part, so the
   buffer is the union of what the devices need (the largest device's outputs), not the sum.
-  Values of at least `task_schedule.LANE_MIN_BYTES` get *lanes* of their own instead (the j-th largest of every
+  Values of at least `lockstep_rule.LANE_MIN_BYTES` get *lanes* of their own instead (the j-th largest of every
   device shares lane j, as long as the longest): a value as long as its lane is returned as it
   is, with no copy;
 - after the group, one `ppermute` per (shift, dtype) region and per message lane sends it to
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
-from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule, lockstep_groups
+from jaxhybrid.planner import lockstep_rule
+from jaxhybrid.planner.task_schedule import Op, TaskSchedule
 
 END = -1  # the "group" of the final read (the loss)
 
@@ -169,10 +169,10 @@ def build(
     residuals: node id -> what its F saves (`Residuals`); not called for `remat` nodes.
     remat: nodes whose F saves nothing (their B replays the forward from the arguments).
     lane_min_bytes: values of at least this many bytes get a lane of their own (default
-      task_schedule.LANE_MIN_BYTES).
+      lockstep_rule.LANE_MIN_BYTES).
   """
   if lane_min_bytes is None:
-    lane_min_bytes = sched_lib.LANE_MIN_BYTES
+    lane_min_bytes = lockstep_rule.LANE_MIN_BYTES
   devices = len(schedule.devices)
   node_out = {v: n.id for n in graph.nodes for v in n.outvars}
   loss_var = graph.jaxpr.outvars[0]
@@ -228,14 +228,14 @@ def build(
       else:
         makes[(d, op)] = []
   maker_task = {key: op for (d, op), keys in makes.items() for key in keys}
-  # Slots and groups: the planner's pure rule (task_schedule.lockstep_groups), fed with which
+  # Slots and groups: the planner's pure rule (lockstep_rule.lockstep_groups), fed with which
   # task makes each value a task reads.
   task_reads = {
     op: list(dict.fromkeys(maker_task[key] for key in keys if key in maker_task))
     for (d, op), keys in reads.items()
   }
   edges = [(e.src, e.dst) for e in graph.edges]
-  _, grouped = lockstep_groups(
+  _, grouped = lockstep_rule.lockstep_groups(
     schedule, edges, assignment, task_reads,
     grad_bytes=[int(n.param_bytes) for n in graph.nodes],
   )
