@@ -77,6 +77,25 @@ def _trace(name: str):
   )
 
 
+def _plans_dir() -> str | None:
+  """Where each case's Plan JSON goes (--plans_dir, else beside --out), created."""
+  plans_dir = _PLANS_DIR.value
+  if plans_dir is None and _OUT.value:
+    plans_dir = os.path.splitext(_OUT.value)[0] + "_plans"
+  if plans_dir:
+    os.makedirs(plans_dir, exist_ok=True)
+  return plans_dir
+
+
+def _grid():
+  """(model name, traced graph, M, k) for every case of the flags."""
+  for name in _MODELS.value:
+    graph = _trace(name)
+    for m in (int(v) for v in _DEVICES.value):
+      for k in (int(v) for v in _MICROBATCHES.value):
+        yield name, graph, m, k
+
+
 def main(argv):
   del argv
   logging.getLogger("mip").setLevel(logging.WARNING)
@@ -84,51 +103,44 @@ def main(argv):
     return _main_fbw()
   cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
   cases = []
-  plans_dir = _PLANS_DIR.value
-  if plans_dir is None and _OUT.value:
-    plans_dir = os.path.splitext(_OUT.value)[0] + "_plans"
-  if plans_dir:
-    os.makedirs(plans_dir, exist_ok=True)
+  plans_dir = _plans_dir()
   header = (f"{'model':<13}{'M':>2}{'k':>3}{'nodes':>6}{'edges':>6}{'time_s':>8}  {'status':<9}"
             f"{'gap':>7}{'milp_ms':>10}{'lb_ms':>10}  heuristics (ms){'':<30}speedup")
   print(header)
-  for name in _MODELS.value:
-    graph = _trace(name)
-    for m in (int(v) for v in _DEVICES.value):
-      for k in (int(v) for v in _MICROBATCHES.value):
-        opts = planner.PlannerOptions(
-          devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
-          gap=_GAP.value, objective="makespan", memory_caps_bytes=None,
-        )
-        problem = planner.Problem.from_graph(graph, cost_model, opts)  # what place() solves
-        start = time.perf_counter()
-        plan = planner.place_problem(problem, opts)
-        solve_time_s = time.perf_counter() - start
-        planner.validate_schedule(problem, plan.assignment, plan.schedule, k, opts.caps())
-        case = dict(
-          model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
-          edges=len({(e.src, e.dst) for e in graph.edges}),
-          solve_time_s=solve_time_s, status=plan.status, gap=plan.gap,
-          makespan=plan.predicted_step_s, lower_bound=plan.lower_bound_s,
-          heuristics=dict(plan.heuristics), found_by=plan.found_by,
-          predicted_speedup=plan.predicted_speedup,
-          single_device_s=plan.single_device_s,
-          milp_not_worse=plan.predicted_step_s <= min(plan.heuristics.values()) * (1 + 1e-9),
-          time_limit_s=_TIME_LIMIT.value,
-          within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
-          costs_fingerprint=problem.digest(), schedule_valid=True,
-        )
-        if plans_dir:
-          case.update(_write_plan(plans_dir, f"{name}_M{m}_k{k}", plan, problem))
-        cases.append(case)
-        heur = " ".join(f"{h}={v * 1e3:.2f}" for h, v in plan.heuristics.items())
-        line = (f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{case['edges']:>6}"
-                f"{case['solve_time_s']:>8.2f}  {plan.status:<9}{plan.gap:>7.2%}"
-                f"{plan.predicted_step_s * 1e3:>10.2f}{plan.lower_bound_s * 1e3:>10.2f}  "
-                f"{heur:<44} {plan.predicted_speedup:.3f}x")
-        if name == "inception_v3" and m == 2:
-          line += f" (paper: {PAPER_INCEPTION_2WAY}x)"
-        print(line, flush=True)
+  for name, graph, m, k in _grid():
+    opts = planner.PlannerOptions(
+      devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
+      gap=_GAP.value, objective="makespan", memory_caps_bytes=None,
+    )
+    problem = planner.Problem.from_graph(graph, cost_model, opts)  # what place() solves
+    start = time.perf_counter()
+    plan = planner.place_problem(problem, opts)
+    solve_time_s = time.perf_counter() - start
+    planner.validate_schedule(problem, plan.assignment, plan.schedule, k, opts.caps())
+    case = dict(
+      model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
+      edges=len({(e.src, e.dst) for e in graph.edges}),
+      solve_time_s=solve_time_s, status=plan.status, gap=plan.gap,
+      makespan=plan.predicted_step_s, lower_bound=plan.lower_bound_s,
+      heuristics=dict(plan.heuristics), found_by=plan.found_by,
+      predicted_speedup=plan.predicted_speedup,
+      single_device_s=plan.single_device_s,
+      milp_not_worse=plan.predicted_step_s <= min(plan.heuristics.values()) * (1 + 1e-9),
+      time_limit_s=_TIME_LIMIT.value,
+      within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
+      costs_fingerprint=problem.digest(), schedule_valid=True,
+    )
+    if plans_dir:
+      case.update(_write_plan(plans_dir, f"{name}_M{m}_k{k}", plan, problem))
+    cases.append(case)
+    heur = " ".join(f"{h}={v * 1e3:.2f}" for h, v in plan.heuristics.items())
+    line = (f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{case['edges']:>6}"
+            f"{case['solve_time_s']:>8.2f}  {plan.status:<9}{plan.gap:>7.2%}"
+            f"{plan.predicted_step_s * 1e3:>10.2f}{plan.lower_bound_s * 1e3:>10.2f}  "
+            f"{heur:<44} {plan.predicted_speedup:.3f}x")
+    if name == "inception_v3" and m == 2:
+      line += f" (paper: {PAPER_INCEPTION_2WAY}x)"
+    print(line, flush=True)
   times = [c["solve_time_s"] for c in cases]
   within = sum(c["within_time_limit"] for c in cases)
   print(f"cases {len(cases)}: max time {max(times):.1f}s, median {statistics.median(times):.1f}s,"
@@ -143,62 +155,55 @@ def main(argv):
 def _main_fbw():
   """The F/B/W cases (see the module docstring)."""
   cost_model = costs_lib.AnalyticCostModel(_HARDWARE.value)
-  plans_dir = _PLANS_DIR.value
-  if plans_dir is None and _OUT.value:
-    plans_dir = os.path.splitext(_OUT.value)[0] + "_plans"
-  if plans_dir:
-    os.makedirs(plans_dir, exist_ok=True)
+  plans_dir = _plans_dir()
   print(f"{'model':<13}{'M':>2}{'k':>3}{'nodes':>6}{'time_s':>8}{'lockstep_ms':>13}{'bound_ms':>10}"
         f"{'gap':>8}  baselines on the best contiguous split (ms)        found_by / peak GiB")
   cases = []
   gib = float(1 << 30)
-  for name in _MODELS.value:
-    graph = _trace(name)
-    for m in (int(v) for v in _DEVICES.value):
-      for k in (int(v) for v in _MICROBATCHES.value):
-        opts = planner.PlannerOptions(
-          devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
-          gap=_GAP.value,
-        )
-        problem = planner.Problem.from_graph(graph, cost_model, opts)
-        start = time.perf_counter()
-        try:
-          plan = planner.place_problem(problem, opts)
-        except planner.InfeasibleError as err:
-          print(f"{name:<13}{m:>2}{k:>3}  infeasible: {err}", flush=True)
-          cases.append(dict(model=name, devices=m, microbatches=k, infeasible=str(err)))
-          continue
-        solve_time_s = time.perf_counter() - start
-        step, bound = plan.lockstep_step_s, plan.lockstep_bound_s
-        base = dict(plan.lockstep_baselines)
-        caps = plan.memory_caps_bytes
-        case = dict(
-          model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
-          solve_time_s=solve_time_s, time_limit_s=_TIME_LIMIT.value,
-          within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
-          lockstep_step_s=step, lockstep_bound_s=bound,
-          gap=(step - bound) / step if step > 0 else 0.0,
-          baselines=base,
-          not_worse_than_baselines=all(step <= v * (1 + 1e-12) for v in base.values()),
-          gain_over_best_baseline=(min(base.values()) / step - 1) if base and step else None,
-          lockstep_found_by=plan.lockstep_found_by,
-          schedule_kind=getattr(plan.task_schedule, "kind", str(plan.task_schedule)),
-          single_device_s=plan.single_device_s, lockstep_speedup=plan.lockstep_speedup,
-          device_peak_bytes=list(plan.device_peak_bytes), memory_caps_bytes=list(caps),
-          fits=all(b <= c for b, c in zip(plan.device_peak_bytes, caps)) if caps else True,
-          fused_makespan=plan.predicted_step_s, costs_fingerprint=problem.digest(),
-        )
-        if plans_dir:
-          case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))
-        cases.append(case)
-        if _OUT.value:  # after every case: a crash keeps the cases done
-          with open(_OUT.value, "w") as f:
-            json.dump(cases, f, indent=1)
-        bl = " ".join(f"{h}={v * 1e3:.2f}" for h, v in base.items())
-        peaks = "/".join(f"{b / gib:.1f}" for b in plan.device_peak_bytes)
-        print(f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{solve_time_s:>8.2f}{step * 1e3:>13.2f}"
-              f"{bound * 1e3:>10.2f}{case['gap']:>8.2%}  {bl:<50} {plan.lockstep_found_by} "
-              f"{peaks}", flush=True)
+  for name, graph, m, k in _grid():
+    opts = planner.PlannerOptions(
+      devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
+      gap=_GAP.value,
+    )
+    problem = planner.Problem.from_graph(graph, cost_model, opts)
+    start = time.perf_counter()
+    try:
+      plan = planner.place_problem(problem, opts)
+    except planner.InfeasibleError as err:
+      print(f"{name:<13}{m:>2}{k:>3}  infeasible: {err}", flush=True)
+      cases.append(dict(model=name, devices=m, microbatches=k, infeasible=str(err)))
+      continue
+    solve_time_s = time.perf_counter() - start
+    step, bound = plan.lockstep_step_s, plan.lockstep_bound_s
+    base = dict(plan.lockstep_baselines)
+    caps = plan.memory_caps_bytes
+    case = dict(
+      model=name, devices=m, microbatches=k, nodes=len(graph.nodes),
+      solve_time_s=solve_time_s, time_limit_s=_TIME_LIMIT.value,
+      within_time_limit=solve_time_s <= 1.05 * _TIME_LIMIT.value,
+      lockstep_step_s=step, lockstep_bound_s=bound,
+      gap=(step - bound) / step if step > 0 else 0.0,
+      baselines=base,
+      not_worse_than_baselines=all(step <= v * (1 + 1e-12) for v in base.values()),
+      gain_over_best_baseline=(min(base.values()) / step - 1) if base and step else None,
+      lockstep_found_by=plan.lockstep_found_by,
+      schedule_kind=getattr(plan.task_schedule, "kind", str(plan.task_schedule)),
+      single_device_s=plan.single_device_s, lockstep_speedup=plan.lockstep_speedup,
+      device_peak_bytes=list(plan.device_peak_bytes), memory_caps_bytes=list(caps),
+      fits=all(b <= c for b, c in zip(plan.device_peak_bytes, caps)) if caps else True,
+      fused_makespan=plan.predicted_step_s, costs_fingerprint=problem.digest(),
+    )
+    if plans_dir:
+      case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))
+    cases.append(case)
+    if _OUT.value:  # after every case: a crash keeps the cases done
+      with open(_OUT.value, "w") as f:
+        json.dump(cases, f, indent=1)
+    bl = " ".join(f"{h}={v * 1e3:.2f}" for h, v in base.items())
+    peaks = "/".join(f"{b / gib:.1f}" for b in plan.device_peak_bytes)
+    print(f"{name:<13}{m:>2}{k:>3}{case['nodes']:>6}{solve_time_s:>8.2f}{step * 1e3:>13.2f}"
+          f"{bound * 1e3:>10.2f}{case['gap']:>8.2%}  {bl:<50} {plan.lockstep_found_by} "
+          f"{peaks}", flush=True)
   done = [c for c in cases if "lockstep_step_s" in c]
   if done:
     times = [c["solve_time_s"] for c in done]

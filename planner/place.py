@@ -35,6 +35,7 @@ from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, rela
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
+from jaxhybrid.planner.bounds import audited_bound
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.plan import Plan
 from jaxhybrid.planner.problem import Problem
@@ -47,12 +48,6 @@ _CLEANUP_S = 1.5
 _RESERVE_SHARE = 0.03
 # Least seconds a phase is given, even when the others have used up the time.
 _MIN_PHASE_S = 0.05
-# A lower bound above the makespan by less than this (relative, absolute) is the solvers'
-# tolerance (CP-SAT's integer times; CBC's feasibility tolerance on the relaxation's big-M rows:
-# measured 4e-4 relative on paper BigLSTM M=2 k=4, the relaxation's bound 0.1944861 s against a
-# valid 0.1944091 s schedule), not an error; it is logged as a warning and the makespan is used.
-_BOUND_RTOL = 1e-3
-_BOUND_ATOL = 1e-12
 # Placements the k = 1 local search evaluates per (node, device) pair: it only warm-starts the
 # exact decomposition, so a short anneal suffices.
 _K1_EVALUATIONS = 20
@@ -442,36 +437,6 @@ def _anneal(
       max_window_placements=opts.max_window_placements, target=target,
     )
   return local
-
-
-def audited_bound(proven: Mapping[str, float], makespan: float) -> float:
-  """The largest of the `proven` lower bounds that a schedule of length `makespan` does not
-  refute.
-
-  A lower bound above the makespan of a schedule that exists is wrong: it is logged at ERROR
-  level, with the bound's name in the log record's `planner_bound_error` attribute (tests count
-  those records), and left out. Within _BOUND_RTOL of the makespan the excess is the solvers'
-  rounding, and the makespan is returned.
-
-  Args:
-    proven: name of the bound (e.g. 'relaxation', 'cpsat') -> its value in seconds.
-    makespan: the makespan of the returned schedule.
-
-  Returns:
-    The bound, at most `makespan`.
-  """
-  valid = []
-  for name, value in proven.items():
-    if value > makespan * (1 + _BOUND_RTOL) + _BOUND_ATOL:
-      log.error("The %s lower bound %.9g is above a schedule of makespan %.9g: a planner bug; "
-                "the bound is not used.", name, value, makespan,
-                extra={"planner_bound_error": name})
-    else:
-      if value > makespan:
-        log.warning("The %s lower bound %.9g is above the schedule's makespan %.9g by the "
-                    "solvers' tolerance; using the makespan.", name, value, makespan)
-      valid.append(min(value, makespan))
-  return max(valid, default=0.0)
 
 
 class _Clock:

@@ -17,7 +17,7 @@ from jaxhybrid import planner
 from jaxhybrid.planner import cpsat, decompose, milp, relax
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.place import audited_bound
+from jaxhybrid.planner.bounds import audited_bound
 from jaxhybrid.planner.problem import Problem
 
 # Work limits that end every phase on these tiny problems long before the (safety) time limit.
