@@ -76,6 +76,25 @@ def test_checkpoint_round_trip_keeps_parameters(hybrid, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_checkpoint_of_another_plan_is_a_one_line_error_and_stays(hybrid, tmp_path):
+  # Another placement of the same model: other parameter rows, so the checkpoint cannot fit.
+  other = api.parallelize(toy.Towers(rngs=nnx.Rngs(0)), toy.mse_nnx, optax.adam(1e-2),
+                          toy.regression_batch(GLOBAL_BATCH), mesh="2x2", microbatches=2,
+                          planner="single")
+  shapes = lambda s: [x.shape for x in jax.tree.leaves(s.params)]  # noqa: E731
+  assert shapes(other.init()) != shapes(hybrid.init())
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"), every=0)
+  ckpt.maybe_save(1, hybrid.init(), force=True)
+  ckpt.wait()
+  with pytest.raises(errors.UsageError, match="does not fit this program's state") as e:
+    ckpt.restore(1, like=other.init())
+  assert "\n" not in str(e.value)
+  # The checkpoint is intact: the plan it was made under still restores it.
+  assert ckpt.all_steps() == [1]
+  assert int(ckpt.restore(1, like=hybrid.init()).step) == 1
+  ckpt.close()
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(hybrid, tmp_path):
   def poisoned(step):
     b = batch_fn(step)

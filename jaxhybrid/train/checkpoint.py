@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxhybrid import errors
 from jaxhybrid import program as program_lib
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,26 @@ class Checkpointer:
     return False
 
   def restore(self, step: int, like: program_lib.TrainState) -> program_lib.TrainState:
-    """Restores the checkpoint of `step` onto the shardings of `like` (e.g. a fresh init)."""
+    """Restores the checkpoint of `step` onto the shardings of `like` (e.g. a fresh init).
+
+    Raises:
+      UsageError: the checkpoint does not fit `like` (e.g. saved under another plan's rows).
+    """
     target = {"params": _abstract(like.params), "opt_state": _abstract(like.opt_state)}
-    out = self._manager.restore(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
-    )
+    try:
+      out = self._manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+      )
+    except (ValueError, TypeError, KeyError) as e:
+      # Typically the parameter rows of another plan (another placement gives rows of other
+      # sizes). Nothing is written: the checkpoint stays as it is.
+      what = " ".join(str(e).split())[:240] or type(e).__name__
+      raise errors.UsageError(
+        f"checkpoint step {step} in {self.directory} does not fit this program's state ({what}): "
+        "resume with the plan and flags the run was made with (its workdir's plan.json) or start "
+        "a new --workdir"
+      ) from None
     items, meta = out["state"], out["meta"]
     log.info("checkpoint: restored step %d from %s", meta["step"], self.directory)
     return program_lib.TrainState(
