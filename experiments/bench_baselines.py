@@ -1,6 +1,7 @@
 """What bench_mp times besides the hybrid program: a median step timer, the plain `jax.jit`
-training step, and data parallelism with every gradient in ONE flat all-reduce (the DP a user
-would write over slow links)."""
+training step (on this process's own device: `local_step_s`), data parallelism with every
+gradient in ONE flat all-reduce (the DP a user would write over slow links), and GSPMD tensor
+parallelism (`gspmd_tp_step_s`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,70 @@ def bucketed_dp_step(pure, opt, mesh, carry, batch):
   f = jax.shard_map(body, mesh=mesh, in_specs=(carry_spec, batch_spec),
                     out_specs=(carry_spec, P()), check_vma=False)
   return jax.jit(f, donate_argnums=0)
+
+
+def local_step_s(pure, opt, params_state, batch, steps, warmup):
+  """Median step of plain jit on this process's first local device (no collective: in a
+  multi-process job every process can time its own device at once)."""
+  import jax
+
+  local = jax.local_devices()[0]
+  p, s = params_state
+  # Copies: the step donates its carry, and device_put onto the device an array is on aliases it.
+  carry = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), jax.device_put((p, opt.init(p), s), local))
+  step = jax.jit(plain_step(pure, opt), donate_argnums=0)
+  return timeit(step, carry, jax.device_put(batch, local), steps, warmup)[0]
+
+
+def gspmd_tp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
+  """Median step of plain jit with every weight sharded over 'model' on its largest dimension
+  that divides by the axis size (GSPMD tensor parallelism as a user would first try it)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  m = mesh.shape["model"]
+  def put(x, sh):
+    return jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])
+
+  def tp_sharding(x):
+    shape = np.shape(x)
+    dims = [i for i in np.argsort(shape)[::-1] if shape[i] % m == 0 and shape[i] >= m]
+    if not dims or np.ndim(x) < 2:
+      return NamedSharding(mesh, P())
+    spec = [None] * len(shape)
+    spec[dims[0]] = "model"
+    return NamedSharding(mesh, P(*spec))
+
+  p, s = params_state
+  params = jax.tree.map(lambda x: put(x, tp_sharding(x)), p)
+  carry = (params, jax.jit(opt.init)(params), jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), s))
+  bt = jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), batch)
+  return timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
+
+
+def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
+  """Median steps of data parallelism over 'data' (the batch's leading dimension split):
+  plain jit, where XLA all-reduces each gradient leaf, and `bucketed_dp_step` (one flat
+  all-reduce). Returns (plain, bucketed)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def put(x, sh):
+    return jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])
+
+  p, s = params_state
+  n = max(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
+  rep = NamedSharding(mesh, P())
+  bt = jax.tree.map(
+    lambda x: put(x, NamedSharding(mesh, P("data") if np.ndim(x) and np.shape(x)[0] == n else P())),
+    batch,
+  )
+  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  plain = timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
+  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  bucketed = timeit(bucketed_dp_step(pure, opt, mesh, carry, bt), carry, bt, steps, warmup)[0]
+  return plain, bucketed
