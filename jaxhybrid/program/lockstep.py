@@ -17,11 +17,13 @@ the forward, the usual figure for matmul-dominated layers; Kaplan et al. 2020).
 Per-step work outside the tasks, priced when a `PassCosts` is given (`measure_pass_costs`):
 
   + max over devices d of  P_d * (update_s_per_byte + k * add_s_per_byte)
+  + R * fill_s_per_byte
 
 with P_d the parameter bytes device d holds (owned row + shared): the optimizer update of its
 parameters and, per micro-batch, adding the gradient into its gradient row (assumption, named
-here: elementwise passes, linear in bytes). On one CPU core they are not small: Adam over
-BigLSTM-small's 39 MB took 70 ms, one 39 MB add 21 ms.
+here: elementwise passes, linear in bytes, in place as the step runs them); R the bytes of a
+device's parameter rows (padded to the largest share): the gradient buffer the step zero-fills
+afresh (a new buffer, first-touch page faults included, as `measure_pass_costs` times the fill).
 
   + sum over groups of  max over d (tasks of d + fill_s_per_byte * fill_d) - max over d (tasks of d)
 
@@ -208,6 +210,10 @@ def program_step_s(
   param_s = 0.0
   if pass_costs is not None:
     param_s = max(pass_costs.time_s(b, k) for b in param_bytes_per_device(graph, assignment))
+    # Every device starts the step's gradient rows as a fresh zero-filled buffer, as long as its
+    # parameter rows (padded to the largest device's share).
+    layout = structure_lib.param_layout(graph, assignment, devices)
+    param_s += pass_costs.fill_s_per_byte * layout.row_bytes()
   return LockstepTime(
     compute_s=compute, transfer_s=transfer, groups=len(structure.groups), transfers=count,
     param_s=param_s, fill_s=fill_s,
