@@ -63,16 +63,16 @@ def bucketed_dp_step(pure, opt, mesh, carry, batch):
   return jax.jit(f, donate_argnums=0)
 
 
-def local_step_s(pure, opt, params_state, batch, steps, warmup):
-  """Median step of plain jit on this process's first local device (no collective: in a
-  multi-process job every process can time its own device at once)."""
+def local_step_s(step, opt, params_state, batch, steps, warmup):
+  """Median step of `step` (jitted `plain_step`, compiled once by the caller and reused) on this
+  process's first local device (no collective: in a multi-process job every process can time
+  its own device at once)."""
   import jax
 
   local = jax.local_devices()[0]
   p, s = params_state
   # Copies: the step donates its carry, and device_put onto the device an array is on aliases it.
   carry = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), jax.device_put((p, opt.init(p), s), local))
-  step = jax.jit(plain_step(pure, opt), donate_argnums=0)
   return timeit(step, carry, jax.device_put(batch, local), steps, warmup)[0]
 
 
