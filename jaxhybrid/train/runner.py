@@ -430,12 +430,9 @@ def run(config: RunConfig) -> dict[str, Any]:
   primary = jax.process_index() == 0
   _prepare_workdir(config)
   wd = config.workdir
-  saved_plan = os.path.join(wd, "plan.json")
-  if config.resume and config.plan is None and os.path.exists(saved_plan):
-    # Continue with the plan the checkpoints were made under: a new, time-limited search may
-    # place the nodes differently, and another placement's parameter rows do not restore.
-    log.info("--resume: applying the run's own plan %s", saved_plan)
-    config = dataclasses.replace(config, plan=saved_plan)
+  if config.resume and config.plan is None and os.path.exists(os.path.join(wd, "plan.json")):
+    # The checkpoints' own plan: a new time-limited search may place differently (other rows).
+    config = dataclasses.replace(config, plan=os.path.join(wd, "plan.json"))
   spec, hybrid, batch_fn = build(config)
   check_fits(hybrid)  # before anything is allocated or written
   log.info("%s", hybrid.plan.summary())
