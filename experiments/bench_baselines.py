@@ -85,9 +85,6 @@ def gspmd_tp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
   from jax.sharding import PartitionSpec as P
 
   m = mesh.shape["model"]
-  def put(x, sh):
-    return jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])
-
   def tp_sharding(x):
     shape = np.shape(x)
     dims = [i for i in np.argsort(shape)[::-1] if shape[i] % m == 0 and shape[i] >= m]
@@ -98,9 +95,9 @@ def gspmd_tp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
     return NamedSharding(mesh, P(*spec))
 
   p, s = params_state
-  params = jax.tree.map(lambda x: put(x, tp_sharding(x)), p)
-  carry = (params, jax.jit(opt.init)(params), jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), s))
-  bt = jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), batch)
+  params = jax.tree.map(lambda x: _put(x, tp_sharding(x)), p)
+  carry = (params, jax.jit(opt.init)(params), jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P())), s))
+  bt = jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P())), batch)
   return timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
 
 
@@ -113,18 +110,23 @@ def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  def put(x, sh):
-    return jax.make_array_from_callback(np.shape(x), sh, lambda i: np.asarray(x)[i])
-
   p, s = params_state
   n = max(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
   rep = NamedSharding(mesh, P())
   bt = jax.tree.map(
-    lambda x: put(x, NamedSharding(mesh, P("data") if np.ndim(x) and np.shape(x)[0] == n else P())),
+    lambda x: _put(x, NamedSharding(mesh, P("data") if np.ndim(x) and np.shape(x)[0] == n else P())),
     batch,
   )
-  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  carry = jax.tree.map(lambda x: _put(x, rep), (p, opt.init(p), s))
   plain = timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
-  carry = jax.tree.map(lambda x: put(x, rep), (p, opt.init(p), s))
+  carry = jax.tree.map(lambda x: _put(x, rep), (p, opt.init(p), s))
   bucketed = timeit(bucketed_dp_step(pure, opt, mesh, carry, bt), carry, bt, steps, warmup)[0]
   return plain, bucketed
+
+
+def _put(x, sharding):
+  """`x` (host or device) as a global array with `sharding` (every process builds its shards)."""
+  import jax
+  import numpy as np
+
+  return jax.make_array_from_callback(np.shape(x), sharding, lambda i: np.asarray(x)[i])
