@@ -15,8 +15,9 @@ jax.distributed with gloo collectives; the 1-device baseline is one such process
    data-parallel step and the hybrid program are timed on mesh 2x1; a GSPMD tensor-parallel
    `jax.jit` step (each weight sharded over 'model' on its largest divisible dimension) is timed
    on mesh 1x2.
-Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 1024,
-batch 512, k=8: a uniform pipeline). The program runs --schedule (default 1F1B). Per model the
+Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 256,
+batch 8192, k=8: a uniform pipeline of 1024-row micro-batches; `--set width=1024 --batch=512` is
+the earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS). The program runs --schedule (default 1F1B). Per model the
 prediction error of EVERY timed candidate is summarised (prediction_error_program_mean / _max),
 and the lock-step model's first pick is reported beside the autotuned one (first_pick_*).
 Data-parallel baselines on 2x1: plain `jax.jit` (XLA all-reduces each leaf: step_s_jit_dp) and
@@ -116,9 +117,10 @@ flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 # Batch 64 makes a one-core step about a second on the small presets (Inception-V3 ~0.7 s, GNMT
 # ~0.8 s, BigLSTM ~0.6 s); at batch 16 four micro-batches of 4 cost GNMT 44 % over one batch
 # of 16 on one core (small LSTM matmuls), at 64 it is 9 %.
-# chain: 8 equal tanh layers of 1024 (a uniform pipeline); batch 512 makes a one-core step
-# about half a second; at M=2, k=8 1F1B's bound is 2 * 8 / 9 = 1.78x.
-BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4), "chain": (512, 8)}
+# chain: 8 tanh layers of 256, batch 8192: a ~0.6 s one-core step; M=2, k=8 1F1B bound 16/9 =
+# 1.78x. The earlier chain (width 1024, batch 512: 64-row micro-batches) spent 1.6x the full
+# batch's time in 8 micro-batches on one core (profiled sums 0.72 vs 0.44 s): ~1.1x cap at M=2.
+BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 4), "chain": (8192, 8)}
 
 
 # Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
@@ -152,7 +154,7 @@ def _batch_k(name: str) -> tuple[int, int]:
 class _ChainSpec:
   """The uniform chain (chain_model.py) with the registry spec's interface."""
 
-  width, layers, features = 1024, 8, 64
+  width, layers, features = 256, 8, 64
 
   def make(self, rngs):
     return chain_model.make(self.width, self.layers, self.features, rngs)
