@@ -5,10 +5,9 @@ r"""Model-parallel speed on one-core CPU devices: measured vs predicted, and aga
 Each device is its own process pinned to its own core (jaxhybrid.program.localcluster), joined by
 jax.distributed with gloo collectives; the 1-device baseline is one such process. Per model:
 1. (2 processes) the ppermute link between two such devices is calibrated (alpha, bandwidth);
-2. (1 process) node times are profiled (forward+backward, one core, rematerialised as
-   --branch_remat runs them), the DLPlacer plan for 2 devices is made from them and weighed
-   against the `dp` and `interleaved` heuristic plans by the lock-step model; the plain
-   `jax.jit` single-device step is timed;
+2. (1 process) node times are profiled (one core; F and B tasks apart, --task_profiles), the
+   DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
+   heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed;
 3. (2 processes) the --autotune best-predicted candidate plans run as the hybrid program on mesh
    1x2 and the fastest is the run's plan (each candidate's prediction and time are in
    `candidates`, so the model is checked on every plan timed, not only the fastest); a plain `jax.jit`
@@ -94,10 +93,10 @@ flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_ma
 flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb"], "Task schedule the program runs.")
 flags.DEFINE_float("budget_s", 2400.0, "Skip the models left once this much wall time has "
                    "passed (each model's results are written as soon as they exist).")
-# 'dots' paid off for the v1 program (every device zero-filled the others' residuals); the v2
-# program keeps residuals on their own device, so the default is the program's: 'none'.
 flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each forward task "
                   "saves for its backward (HybridProgram.build's branch_remat).")
+flags.DEFINE_boolean("task_profiles", True, "Time each node's F and B tasks apart, as the program "
+                     "runs them (ProfiledCostModel tasks=True); False: fused, F share assumed.")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
@@ -221,10 +220,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
-  # Nodes timed as the program will run them (rematerialised under --branch_remat).
-  cm = costs.ProfiledCostModel(
-    g, cache_dir=work / "profiles", link=_link(work), branch_remat=FLAGS.branch_remat
-  )
+  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work),
+                               branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner, time_limit_s=FLAGS.time_limit)
   plan_s = time.perf_counter() - t0
@@ -285,7 +282,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "add_s_per_byte": pc.add_s_per_byte, "fill_s_per_byte": pc.fill_s_per_byte,
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
-    "nodes": len(g.nodes), "batch": b, "microbatches": k, "candidates": tuned, **chosen,
+    "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
+    "candidates": tuned, **chosen,
   }))
 
 
@@ -359,6 +357,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
+    f"--task_profiles={FLAGS.task_profiles}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}",
     f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",

@@ -252,6 +252,49 @@ def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):
   assert {g.node_fingerprint(n) for n in g.nodes} <= keys
 
 
+def test_task_profiles_measure_the_forward_share_for_planner_and_lockstep(tmp_path, monkeypatch):
+  from jaxhybrid.planner import problem as problem_lib
+  from jaxhybrid.program import lockstep
+
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  fused = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=link)
+  assert not hasattr(fused, "forward_time_s")  # the planner then assumes its FORWARD_SHARE
+  # Deterministic wiring: a fake task timer (F, B) per node, no dispatch subtracted.
+  fake = {n.name: (0.001 * (n.id + 1), 0.004 * (n.id + 1)) for n in g.nodes}
+  monkeypatch.setattr(cost_model, "time_node_tasks", lambda graph, node, **kw: fake[node.name])
+  tasks = costs.ProfiledCostModel(
+    g, cache_dir=tmp_path, repeats=1, warmup=1, link=link, subtract_dispatch=False, tasks=True
+  )
+  for n in g.nodes:
+    f, b = fake[n.name]
+    assert tasks.forward_time_s(n) == pytest.approx(f)
+    assert tasks.node_time_s(n) == pytest.approx(f + b)
+  fwd, bwd = lockstep.task_times(g, tasks)
+  assert fwd == pytest.approx([fake[n.name][0] for n in g.nodes])
+  assert bwd == pytest.approx([fake[n.name][1] for n in g.nodes])
+  prob = problem_lib.Problem.from_graph(g, tasks, problem_lib.PlannerOptions(devices=2))
+  assert prob.forward_s == pytest.approx(tuple(fake[n.name][0] for n in g.nodes))
+  # Cached apart from the fused times, with both parts.
+  entries = json.loads(tasks.cache_path.read_text())["nodes"]
+  for n in g.nodes:
+    e = entries[g.node_fingerprint(n) + "|tasks"]
+    assert (e["forward_raw_s"], e["backward_raw_s"]) == fake[n.name]
+    assert g.node_fingerprint(n) not in entries  # the fused model was never asked
+
+
+def test_task_profiles_time_real_forward_and_backward(tmp_path):
+  g = _mlp_graph()
+  n = g.nodes[0]
+  f, b = cost_model.time_node_tasks(g, n, warmup=1, repeats=1)
+  assert f > 0 and b > 0
+  prof = costs.ProfiledCostModel(
+    g, cache_dir=tmp_path, repeats=1, warmup=1, link=costs.Link(alpha_s=0, bandwidth_bytes_s=1),
+    tasks=True,
+  )
+  assert 0 <= prof.forward_time_s(n) <= prof.node_time_s(n)
+
+
 # ---- calibration and prediction vs measurement -----------------------------------------------
 
 

@@ -9,7 +9,9 @@ Two sources of node times, one interface (`CostModel`):
   weight gradient; Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1).
 - `ProfiledCostModel`: compiles and times each node's forward + backward (`jax.vjp`) on the
   current backend, with random inputs of the node's shapes; times are cached on disk as JSON
-  keyed by the node's fingerprint, the backend and the device kind.
+  keyed by the node's fingerprint, the backend and the device kind. With `tasks=True` it times
+  the F and B tasks apart (as the task-scheduled program runs them), so the forward share is
+  measured, not assumed.
 
 Transfers and all-reduces use the alpha-beta model of PAPER.md: a message of n bytes between two
 devices takes `alpha + n / bandwidth`; a ring all-reduce of P bytes over W workers takes
@@ -211,17 +213,8 @@ def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
   return statistics.median(times)
 
 
-def time_node(
-  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
-) -> float:
-  """Compiles and times one node's forward + backward on the default device, seconds.
-
-  The backward is `jax.vjp` of the node w.r.t. its floating-point inputs except the batch and
-  read-only state (which get no gradient in training), with random cotangents. With a
-  `jax.checkpoint` policy the node runs rematerialised under it, recomputation included (as the
-  program's `branch_remat` runs it).
-  """
+def _node_case(graph: graph_lib.OpGraph, node: graph_lib.Node, seed: int, policy: Any):
+  """(the node's differentiable function of (diff_args, rest), diff_args, rest, cotangents)."""
   no_grad = {
     v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
     if kind in (graph_lib.BATCH, graph_lib.STATE)
@@ -231,27 +224,72 @@ def time_node(
   inputs = [_random_input(v.aval, rng) for v in node.invars]
   diff = [i for i, v in enumerate(node.invars) if _is_float(v.aval) and v not in no_grad]
   out_float = [_is_float(v.aval) for v in node.outvars]
-  cts = [_random_input(v.aval, rng) if f else None for v, f in zip(node.outvars, out_float)]
+  cts = [_random_input(v.aval, rng) for v, f in zip(node.outvars, out_float) if f]
 
-  def fwd_bwd(diff_args, rest, cts):
-    def partial(*d):
-      args = list(rest)
-      for i, x in zip(diff, d):
-        args[i] = x
-      outs = fn(*args)
-      floats = [o for o, f in zip(outs, out_float) if f]
-      return floats, [o for o, f in zip(outs, out_float) if not f]
+  def partial(rest, *d):
+    args = list(rest)
+    for i, x in zip(diff, d):
+      args[i] = x
+    outs = fn(*args)
+    floats = [o for o, f in zip(outs, out_float) if f]
+    return floats, [o for o, f in zip(outs, out_float) if not f]
 
+  def forward(diff_args, rest):
+    """The F task: outputs and the pullback (its arrays are the saved residuals)."""
+    f = lambda *d: partial(rest, *d)
     if not diff_args:  # nothing to differentiate (e.g. an embedding lookup of frozen inputs)
-      return partial()
-    f = partial if policy is None else jax.checkpoint(partial, policy=policy)
+      return f(), None
+    if policy is not None:
+      f = jax.checkpoint(f, policy=policy)
     outs, vjp, aux = jax.vjp(f, *diff_args, has_aux=True)
-    return outs, aux, vjp([c for c in cts if c is not None])
+    return (outs, aux), vjp
 
-  step = jax.jit(fwd_bwd)
   diff_args = [inputs[i] for i in diff]
   rest = [None if i in diff else x for i, x in enumerate(inputs)]
+  return forward, diff_args, rest, cts
+
+
+def time_node(
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
+) -> float:
+  """Compiles and times one node's forward + backward on the default device, seconds.
+
+  The backward is `jax.vjp` of the node w.r.t. its floating-point inputs except the batch and
+  read-only state (which get no gradient in training), with random cotangents. With a
+  `jax.checkpoint` policy the node runs rematerialised under it, recomputation included (as the
+  program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
+  across them), as in a single-device step.
+  """
+  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+
+  def fwd_bwd(diff_args, rest, cts):
+    outs, vjp = forward(diff_args, rest)
+    return outs if vjp is None else (outs, vjp(cts))
+
+  step = jax.jit(fwd_bwd)
   return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats)
+
+
+def time_node_tasks(
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
+) -> tuple[float, float]:
+  """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
+
+  F is the `jax.vjp` forward, its residuals (the pullback's arrays) written out; B applies the
+  pullback to cotangents from those stored residuals. Two compiled functions, so nothing is
+  fused across them (in the program F and B of a micro-batch run in different groups).
+  Returns (forward seconds, backward seconds); B is 0 for a node with nothing to differentiate.
+  """
+  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+  fwd = jax.jit(forward)
+  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats)
+  _, vjp = fwd(diff_args, rest)
+  if vjp is None:
+    return t_f, 0.0
+  bwd = jax.jit(lambda vjp, cts: vjp(cts))
+  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats)
 
 
 def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
@@ -291,6 +329,7 @@ class ProfiledCostModel(CostModel):
     link: Interconnect | None = None,
     subtract_dispatch: bool = True,
     branch_remat: str = "none",
+    tasks: bool = False,
   ):
     """Builds the model (measures nothing until a node time is asked for).
 
@@ -306,6 +345,11 @@ class ProfiledCostModel(CostModel):
         inside one compiled step the nodes pay no per-call dispatch).
       branch_remat: time nodes rematerialised under this `HybridProgram.build` policy name
         (cached apart from the plain times).
+      tasks: time each node's F and B tasks apart, as the task-scheduled hybrid program runs
+        them (`time_node_tasks`; cached apart): `node_time_s` is then F + B and the model has
+        `forward_time_s` (the measured F), which the planner and `program.lockstep` use instead
+        of the assumed forward share. Default False: forward and backward compiled together, as
+        one device's plain step runs them.
 
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
@@ -319,6 +363,9 @@ class ProfiledCostModel(CostModel):
     self.subtract_dispatch = subtract_dispatch
     remat.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
+    self.tasks = bool(tasks)
+    if self.tasks:  # an attribute only here: callers test hasattr(costs, "forward_time_s")
+      self.forward_time_s = self._forward_time_s
     self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
     if link is None:
@@ -332,7 +379,7 @@ class ProfiledCostModel(CostModel):
     root = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE_DIR)
     self.cache_dir = pathlib.Path(root).expanduser()
     self.cache_path = self.cache_dir / f"{_safe(self.backend)}-{_safe(self.device_kind)}.json"
-    self._times: dict[str, float] = {}
+    self._times: dict[str, tuple[float, float]] = {}  # fingerprint -> (F + B, F)
     self._dispatch: float | None = None
     self.measured = 0
 
@@ -361,32 +408,52 @@ class ProfiledCostModel(CostModel):
       json.dump(data, f, indent=1, sort_keys=True)
     os.replace(tmp, self.cache_path)  # atomic: concurrent readers see the old or the new file
 
-  def node_time_s(self, node: graph_lib.Node) -> float:
+  def _measured(self, node: graph_lib.Node) -> tuple[float, float]:
+    """(F + B, F) seconds of `node`, dispatch subtracted (F is the measured F only with `tasks`)."""
     fp = self.graph.node_fingerprint(node)
     if self.branch_remat != "none":
       fp += f"|remat={self.branch_remat}"
+    if self.tasks:
+      fp += "|tasks"
     if fp in self._times:
       return self._times[fp]
     entry = self._load().get(fp)
     if entry is None:
-      raw = time_node(
-        self.graph, node, warmup=self.warmup, repeats=self.repeats,
-        policy=remat.remat_policy(self.branch_remat),
-      )
-      self.measured += 1
+      policy = remat.remat_policy(self.branch_remat)
       entry = {
-        "raw_s": raw, "name": node.name, "repeats": self.repeats, "jax": jax.__version__,
+        "name": node.name, "repeats": self.repeats, "jax": jax.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
       }
+      if self.tasks:
+        f, b = time_node_tasks(
+          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy
+        )
+        entry.update(raw_s=f + b, forward_raw_s=f, backward_raw_s=b)
+      else:
+        entry["raw_s"] = time_node(
+          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy
+        )
+      self.measured += 1
       self._store(fp, entry)
-      log.info("profiled node %s: %.3g ms", node.name, raw * 1e3)
-    t = entry["raw_s"]
+      log.info("profiled node %s: %.3g ms", node.name, entry["raw_s"] * 1e3)
+    if self.tasks:
+      # Two calls (F and B), each paying the dispatch that a compiled step does not.
+      parts = [entry["forward_raw_s"], entry["backward_raw_s"]]
+    else:
+      parts = [entry["raw_s"]]
     if self.subtract_dispatch:
       if self._dispatch is None:
         self._dispatch = dispatch_time_s()
-      t = max(t - self._dispatch, 0.0)
-    self._times[fp] = t
-    return t
+      parts = [max(t - self._dispatch, 0.0) if t > 0 else 0.0 for t in parts]
+    self._times[fp] = (sum(parts), parts[0])
+    return self._times[fp]
+
+  def node_time_s(self, node: graph_lib.Node) -> float:
+    return self._measured(node)[0]
+
+  def _forward_time_s(self, node: graph_lib.Node) -> float:
+    """The measured F task of `node` (only with `tasks=True`; see __init__)."""
+    return self._measured(node)[1]
 
   def profile_all(self) -> list[float]:
     """Times (or reads from the cache) every node of the graph; returns the times in node order."""
