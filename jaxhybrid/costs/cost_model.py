@@ -214,7 +214,9 @@ def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
 
 
 def _node_case(graph: graph_lib.OpGraph, node: graph_lib.Node, seed: int, policy: Any):
-  """(the node's differentiable function of (diff_args, rest), diff_args, rest, cotangents)."""
+  """(forward, diff_args, rest, cotangents) of `node` on random inputs: forward(diff_args, rest)
+  is the F task, returning ((outputs, aux), pullback), the pullback None when nothing is
+  differentiated."""
   no_grad = {
     v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
     if kind in (graph_lib.BATCH, graph_lib.STATE)
@@ -444,7 +446,7 @@ class ProfiledCostModel(CostModel):
     if self.subtract_dispatch:
       if self._dispatch is None:
         self._dispatch = dispatch_time_s()
-      parts = [max(t - self._dispatch, 0.0) if t > 0 else 0.0 for t in parts]
+      parts = [max(t - self._dispatch, 0.0) for t in parts]
     self._times[fp] = (sum(parts), parts[0])
     return self._times[fp]
 
