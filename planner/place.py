@@ -18,7 +18,9 @@ bound counts only when no orderings were fixed, see PlannerOptions.max_free_pair
 With objective='lockstep' (the default) the searches above only supply warm starts: the returned
 placement and F/B/W task schedule (`Plan.task_schedule`, what the program runs) minimise the
 lock-step price (planner.price) within the memory caps over time (fbw_search.py; for small
-problems also the F/B/W MILP, fbw_milp.py, whose optimum gives `Plan.lockstep_bound_s`). The
+problems also the F/B/W MILP, fbw_milp.py). `Plan.lockstep_bound_s` is the largest of the
+precedence bound (fbw_search.simple_bound), the one-machine bound over every placement
+(placement_bound.py, problems of at most 16 nodes) and the F/B/W MILP's optimum. The
 fused fields (`schedule`, `predicted_step_s`, `lower_bound_s`, `gap`) then describe the fused
 schedule of the returned placement.
 """
@@ -33,6 +35,7 @@ from typing import Any, Mapping
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
 from jaxhybrid.planner import heuristics as heur
+from jaxhybrid.planner import placement_bound
 from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.bounds import audited_bound
@@ -354,6 +357,10 @@ def _lockstep(
   extra = []
   budget = clock.share("lockstep", phases)
   t_end = time.monotonic() + budget
+  proven = {"precedence": bound}
+  by_placement = placement_bound.bound(problem, k, caps)  # None: too many nodes to enumerate
+  if by_placement is not None and by_placement < float("inf"):
+    proven["placement"] = by_placement
   optima = []  # the F/B/W MILP's bound per family (unsplit, split)
   for split in (False, True):
     tasks = problem.num_nodes * k * (3 if split else 2)
@@ -370,7 +377,8 @@ def _lockstep(
       extra.append((f"fbw_milp_{'zb' if split else 'fb'}", res.assignment, res.schedule))
   if len(optima) == 2:
     # The plan's schedule is split or not: the smaller optimum bounds both families.
-    bound = max(bound, min(optima))
+    proven["fbw_milp"] = min(optima)
+  bound = max(proven.values())
   # The fused search's placements, the shortest fused makespan first (priced first if time is short).
   seeds = {name: (c.assignment, order(c))
            for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
@@ -382,7 +390,7 @@ def _lockstep(
   if choice is None:
     raise InfeasibleError(_short_message(
       problem, [c.assignment for c in found.values()], k, caps))
-  return {"choice": choice, "baselines": baselines, "bound": bound}
+  return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
 
 
 def _short_message(
