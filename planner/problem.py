@@ -87,6 +87,11 @@ class Problem:
   # Parameter bytes per node (what its gradient task writes into the gradient row; the program
   # groups gradient tasks by it, lockstep_rule.GROUP_GRAD_BYTES); () = unknown.
   param_bytes: tuple[int, ...] = ()
+  # W seconds per node in split schedules; () = compute_s - forward_s - input_grad_s (B and W
+  # share the backward's work, as a matmul's two gradient products do). A recurrence's W
+  # repeats the recurrent cotangent, so then B + W exceeds the backward (costs'
+  # `weight_grad_time_s`; BigLSTM's LSTM measured 1.33x on one core).
+  weight_grad_task_s: tuple[float, ...] = ()
 
   def __post_init__(self):
     n = len(self.names)
@@ -101,6 +106,9 @@ class Problem:
       object.__setattr__(self, "edge_values", tuple((e,) for e in range(len(self.edges))))
     if self.param_bytes and len(self.param_bytes) != n:
       raise ValueError(f"Problem.param_bytes has {len(self.param_bytes)} entries for {n} nodes.")
+    if self.weight_grad_task_s and (len(self.weight_grad_task_s) != n
+                                    or any(w < 0 for w in self.weight_grad_task_s)):
+      raise ValueError(f"Problem.weight_grad_task_s needs {n} times >= 0.")
     for field in ("forward_s", "input_grad_s"):
       if len(getattr(self, field)) != n:
         raise ValueError(f"Problem.{field} has {len(getattr(self, field))} entries for {n} nodes.")
@@ -141,7 +149,9 @@ class Problem:
     return len(self.names)
 
   def weight_grad_s(self, i: int) -> float:
-    """W of node i: the backward less the input cotangent."""
+    """W of node i: `weight_grad_task_s` if given, else the backward less the input cotangent."""
+    if self.weight_grad_task_s:
+      return self.weight_grad_task_s[i]
     return max(0.0, self.compute_s[i] - self.forward_s[i] - self.input_grad_s[i])
 
   def task_s(self, kind: str, i: int, split: bool) -> float:
@@ -207,6 +217,8 @@ class Problem:
       forward_s=tuple(self.forward_s[v] for v in nodes),
       input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
       param_bytes=tuple(self.param_bytes[v] for v in nodes) if self.param_bytes else (),
+      weight_grad_task_s=(tuple(self.weight_grad_task_s[v] for v in nodes)
+                          if self.weight_grad_task_s else ()),
       value_bytes=tuple(self.value_bytes[v] for v in used),
       value_dtypes=tuple(self.value_dtypes[v] for v in used),
       edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
@@ -349,6 +361,12 @@ class Problem:
       fwd = tuple(min(float(costs.forward_time_s(n)), t) for n, t in zip(nodes, total))
     else:
       fwd = tuple(FORWARD_SHARE * t for t in total)
+    ig = wg = ()
+    if {"zb", "custom"} & set(options.schedule_kinds) and hasattr(costs, "input_grad_time_s"):
+      # Split schedules may be chosen: their B and W as the cost model prices them.
+      ig = tuple(min(float(costs.input_grad_time_s(n)), t - f)
+                 for n, t, f in zip(nodes, total, fwd))
+      wg = tuple(float(costs.weight_grad_time_s(n)) for n in nodes)
     values = _values(nodes, keys, merged)
     link = getattr(costs, "link", None)
     lat = spb = ()
@@ -373,6 +391,8 @@ class Problem:
       cost_source=str(getattr(costs, "source", "unknown")),
       hardware=str(getattr(costs, "hardware_name", "")),
       forward_s=fwd,
+      input_grad_s=ig,
+      weight_grad_task_s=wg,
       transfer_directions=float(options.transfer_directions),
       value_bytes=values[0],
       value_dtypes=values[1],

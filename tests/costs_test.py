@@ -263,6 +263,7 @@ def test_task_profiles_measure_the_forward_share_for_planner_and_lockstep(tmp_pa
   # Deterministic wiring: a fake task timer (F, B) per node, no dispatch subtracted.
   fake = {n.name: (0.001 * (n.id + 1), 0.004 * (n.id + 1)) for n in g.nodes}
   monkeypatch.setattr(cost_model, "time_node_tasks", lambda graph, node, **kw: fake[node.name])
+  monkeypatch.setattr(cost_model, "time_node_split", lambda graph, node, **kw: (0.0, 0.0))
   tasks = costs.ProfiledCostModel(
     g, cache_dir=tmp_path, repeats=1, warmup=1, link=link, subtract_dispatch=False, tasks=True
   )
@@ -293,6 +294,69 @@ def test_task_profiles_time_real_forward_and_backward(tmp_path):
     tasks=True,
   )
   assert 0 <= prof.forward_time_s(n) <= prof.node_time_s(n)
+
+
+def _lstm_graph():
+  import toy
+
+  model = toy.LSTMNet(rngs=nnx.Rngs(0))
+  _, p, s, pure = graph.nnx_pure_loss(model, toy.lstm_loss)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), toy.lstm_batch(4))
+  return graph.trace_function(pure, p, s, batch)
+
+
+def test_split_profiles_give_the_planner_and_lockstep_their_own_b_and_w(tmp_path, monkeypatch):
+  """A split schedule's B and W come from their own timings (time_node_split), measured only
+  when a split schedule may be planned, cached apart; B + W may exceed the backward."""
+  from jaxhybrid.planner import problem as problem_lib
+  from jaxhybrid.program import lockstep
+
+  g = _lstm_graph()
+  fp = g.node_fingerprint  # equal layers (l0, l1) share a fingerprint, hence their timings
+  fake = {fp(n): (0.001 * (n.id + 1), 0.004 * (n.id + 1)) for n in g.nodes}
+  split = {fp(n): (0.0015 * (n.id + 1), 0.003 * (n.id + 1)) for n in g.nodes}  # B+W 1.125 bwd
+  calls = []
+  monkeypatch.setattr(cost_model, "time_node_tasks", lambda graph, node, **kw: fake[fp(node)])
+  monkeypatch.setattr(cost_model, "time_node_split",
+                      lambda graph, node, **kw: calls.append(fp(node)) or split[fp(node)])
+  prof = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=costs.Link(
+    alpha_s=1e-6, bandwidth_bytes_s=1e9), subtract_dispatch=False, tasks=True)
+  unsplit = problem_lib.Problem.from_graph(
+    g, prof, problem_lib.PlannerOptions(devices=2, schedule_kinds=("1f1b",)))
+  assert calls == [] and not unsplit.weight_grad_task_s
+  prob = problem_lib.Problem.from_graph(g, prof, problem_lib.PlannerOptions(devices=2))
+  assert sorted(calls) == sorted({fp(n) for n in g.nodes})  # each measured once
+  for n in g.nodes:
+    b, w = split[fp(n)]
+    assert prob.task_s("B", n.id, True) == pytest.approx(b)
+    assert prob.task_s("W", n.id, True) == pytest.approx(w)
+    assert prob.task_s("B", n.id, False) == pytest.approx(fake[fp(n)][1])  # unsplit: as before
+  b_in, w = lockstep.split_task_times(g, prof)
+  assert b_in == pytest.approx([split[fp(n)][0] for n in g.nodes])
+  assert w == pytest.approx([split[fp(n)][1] for n in g.nodes])
+  entries = json.loads(prof.cache_path.read_text())["nodes"]
+  e = entries[fp(g.nodes[1]) + "|split"]
+  assert (e["input_grad_raw_s"], e["weight_grad_raw_s"]) == split[fp(g.nodes[1])]
+  # A sub-problem keeps each node's own W.
+  sub = prob.subproblem([1, 2])
+  assert sub.weight_grad_s(0) == pytest.approx(split[fp(g.nodes[1])][1])
+
+
+def test_split_timing_runs_the_pullback_halves_and_analytic_w_of_a_loop():
+  g = _lstm_graph()
+  cell = next(n for n in g.nodes if cost_model.has_loop(n.eqns))
+  dense = [n for n in g.nodes if not cost_model.has_loop(n.eqns)]
+  assert dense
+  b, w = cost_model.time_node_split(g, cell, warmup=1, repeats=1)
+  assert b > 0 and w > 0
+  hw = _toy_hardware()
+  analytic = costs.AnalyticCostModel(hw)
+  bwd = analytic.node_time_s(cell) - analytic.forward_time_s(cell)
+  assert analytic.input_grad_time_s(cell) == pytest.approx(0.5 * bwd)
+  assert analytic.weight_grad_time_s(cell) == pytest.approx(cost_model.RECURRENT_W_SHARE * bwd)
+  for n in dense:
+    bwd = analytic.node_time_s(n) - analytic.forward_time_s(n)
+    assert analytic.input_grad_time_s(n) + analytic.weight_grad_time_s(n) == pytest.approx(bwd)
 
 
 # ---- calibration and prediction vs measurement -----------------------------------------------

@@ -24,18 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import pathlib
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.costs import hardware as hardware_lib
@@ -45,6 +41,16 @@ from jaxhybrid.costs.links import (
   ring_allreduce_time_s,
   ring_bottleneck,
   transfer_time_s,
+)
+from jaxhybrid.costs.timing import (  # noqa: F401  (re-exported; tests patch them here)
+  _is_float,
+  _node_case,
+  _random_input,
+  dispatch_time_s,
+  median_time_s,
+  time_node,
+  time_node_split,
+  time_node_tasks,
 )
 from jaxhybrid.graph import remat
 
@@ -174,131 +180,36 @@ class AnalyticCostModel(CostModel):
   def node_time_s(self, node: graph_lib.Node) -> float:
     return (1.0 + self.backward_factor) * self.forward_time_s(node)
 
+  def input_grad_time_s(self, node: graph_lib.Node) -> float:
+    """B of a split schedule: half the backward (the input-cotangent product of each matmul)."""
+    return 0.5 * self.backward_factor * self.forward_time_s(node)
+
+  def weight_grad_time_s(self, node: graph_lib.Node) -> float:
+    """W of a split schedule: the other half, or RECURRENT_W_SHARE of the backward for a node
+    with a loop (its weight gradient needs the recurrent cotangent of every step)."""
+    share = RECURRENT_W_SHARE if has_loop(node.eqns) else 0.5
+    return share * self.backward_factor * self.forward_time_s(node)
+
+
+# Share of a recurrent node's backward that its W task (weight gradients alone) costs
+# (assumption, from the structure of an LSTM step's backward: four matmuls of about one size,
+# the recurrent cotangent, the input cotangent and the two weight gradients; W needs three of
+# them, B two). Measured on one core (costs.time_node_split, small presets), (B + W) / backward:
+# BigLSTM's LSTM layers 1.23-1.33, GNMT's 1.05-1.44, 1.24 over GNMT's nodes.
+RECURRENT_W_SHARE = 0.75
+
+
+def has_loop(eqns: Sequence[Any]) -> bool:
+  """Whether the equations hold a scan or while loop (at any depth)."""
+  for e in eqns:
+    if e.primitive.name in ("scan", "while"):
+      return True
+    if any(has_loop(_sub(j).eqns) for j in jax.extend.core.jaxprs_in_params(e.params)):
+      return True
+  return False
+
 
 # ---- profiled --------------------------------------------------------------------------------
-
-
-def _random_input(aval: Any, rng: np.random.Generator) -> jax.Array:
-  """A concrete array for `aval`: normal floats, zero integers/bools (valid as indices), keys.
-
-  Drawn with numpy, so that making inputs compiles nothing.
-  """
-  shape, dtype = aval.shape, aval.dtype
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    key = jax.random.key(int(rng.integers(2**31)))
-    return jax.random.split(key, math.prod(shape)).reshape(shape)
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
-  return jnp.asarray(np.zeros(shape, dtype))
-
-
-def _is_float(aval: Any) -> bool:
-  dtype = getattr(aval, "dtype", None)
-  return (
-    dtype is not None
-    and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    and jnp.issubdtype(dtype, jnp.inexact)
-  )
-
-
-def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
-  """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def _node_case(graph: graph_lib.OpGraph, node: graph_lib.Node, seed: int, policy: Any):
-  """(forward, diff_args, rest, cotangents) of `node` on random inputs: forward(diff_args, rest)
-  is the F task, returning ((outputs, aux), pullback), the pullback None when nothing is
-  differentiated."""
-  no_grad = {
-    v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
-    if kind in (graph_lib.BATCH, graph_lib.STATE)
-  }
-  fn = graph.node_fn(node)
-  rng = np.random.default_rng(seed)
-  inputs = [_random_input(v.aval, rng) for v in node.invars]
-  diff = [i for i, v in enumerate(node.invars) if _is_float(v.aval) and v not in no_grad]
-  out_float = [_is_float(v.aval) for v in node.outvars]
-  cts = [_random_input(v.aval, rng) for v, f in zip(node.outvars, out_float) if f]
-
-  def partial(rest, *d):
-    args = list(rest)
-    for i, x in zip(diff, d):
-      args[i] = x
-    outs = fn(*args)
-    floats = [o for o, f in zip(outs, out_float) if f]
-    return floats, [o for o, f in zip(outs, out_float) if not f]
-
-  def forward(diff_args, rest):
-    """The F task: outputs and the pullback (its arrays are the saved residuals)."""
-    f = lambda *d: partial(rest, *d)
-    if not diff_args:  # nothing to differentiate (e.g. an embedding lookup of frozen inputs)
-      return f(), None
-    if policy is not None:
-      f = jax.checkpoint(f, policy=policy)
-    outs, vjp, aux = jax.vjp(f, *diff_args, has_aux=True)
-    return (outs, aux), vjp
-
-  diff_args = [inputs[i] for i in diff]
-  rest = [None if i in diff else x for i, x in enumerate(inputs)]
-  return forward, diff_args, rest, cts
-
-
-def time_node(
-  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
-) -> float:
-  """Compiles and times one node's forward + backward on the default device, seconds.
-
-  The backward is `jax.vjp` of the node w.r.t. its floating-point inputs except the batch and
-  read-only state (which get no gradient in training), with random cotangents. With a
-  `jax.checkpoint` policy the node runs rematerialised under it, recomputation included (as the
-  program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
-  across them), as in a single-device step.
-  """
-  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
-
-  def fwd_bwd(diff_args, rest, cts):
-    outs, vjp = forward(diff_args, rest)
-    return outs if vjp is None else (outs, vjp(cts))
-
-  step = jax.jit(fwd_bwd)
-  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats)
-
-
-def time_node_tasks(
-  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
-) -> tuple[float, float]:
-  """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
-
-  F is the `jax.vjp` forward, its residuals (the pullback's arrays) written out; B applies the
-  pullback to cotangents from those stored residuals. Two compiled functions, so nothing is
-  fused across them (in the program F and B of a micro-batch run in different groups).
-  Returns (forward seconds, backward seconds); B is 0 for a node with nothing to differentiate.
-  """
-  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
-  fwd = jax.jit(forward)
-  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats)
-  _, vjp = fwd(diff_args, rest)
-  if vjp is None:
-    return t_f, 0.0
-  bwd = jax.jit(lambda vjp, cts: vjp(cts))
-  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats)
-
-
-def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
-  """Median time of a jitted no-op call: the fixed cost of timing one node by itself."""
-  tiny = jax.jit(lambda x: x + 1)
-  one = jnp.zeros((), jnp.float32)
-  return median_time_s(lambda: tiny(one), warmup=warmup, repeats=repeats)
 
 
 def _device_key() -> tuple[str, str]:
@@ -350,8 +261,9 @@ class ProfiledCostModel(CostModel):
       tasks: time each node's F and B tasks apart, as the task-scheduled hybrid program runs
         them (`time_node_tasks`; cached apart): `node_time_s` is then F + B and the model has
         `forward_time_s` (the measured F), which the planner and `program.lockstep` use instead
-        of the assumed forward share. Default False: forward and backward compiled together, as
-        one device's plain step runs them.
+        of the assumed forward share, and `input_grad_time_s` / `weight_grad_time_s`, the B and
+        W of split (zero-bubble) schedules (`time_node_split`, timed on first use). Default
+        False: forward and backward compiled together, as one device's plain step runs them.
 
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
@@ -366,8 +278,10 @@ class ProfiledCostModel(CostModel):
     remat.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
     self.tasks = bool(tasks)
-    if self.tasks:  # an attribute only here: callers test hasattr(costs, "forward_time_s")
+    if self.tasks:  # attributes only here: callers test hasattr(costs, "forward_time_s")
       self.forward_time_s = self._forward_time_s
+      self.input_grad_time_s = lambda node: self._split(node)[0]
+      self.weight_grad_time_s = lambda node: self._split(node)[1]
     self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
     if link is None:
@@ -381,7 +295,7 @@ class ProfiledCostModel(CostModel):
     root = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV, DEFAULT_CACHE_DIR)
     self.cache_dir = pathlib.Path(root).expanduser()
     self.cache_path = self.cache_dir / f"{_safe(self.backend)}-{_safe(self.device_kind)}.json"
-    self._times: dict[str, tuple[float, float]] = {}  # fingerprint -> (F + B, F)
+    self._times: dict[str, tuple[float, ...]] = {}  # fingerprint -> (F + B, F) or split (B, W)
     self._dispatch: float | None = None
     self.measured = 0
 
@@ -448,6 +362,30 @@ class ProfiledCostModel(CostModel):
         self._dispatch = dispatch_time_s()
       parts = [max(t - self._dispatch, 0.0) for t in parts]
     self._times[fp] = (sum(parts), parts[0])
+    return self._times[fp]
+
+  def _split(self, node: graph_lib.Node) -> tuple[float, ...]:
+    """(B, W) seconds of `node` in a split schedule (`time_node_split`), dispatch subtracted."""
+    fp = self.graph.node_fingerprint(node) + "|split"
+    if self.branch_remat != "none":
+      fp += f"|remat={self.branch_remat}"
+    if fp in self._times:
+      return self._times[fp]
+    entry = self._load().get(fp)
+    if entry is None:
+      b, w = time_node_split(self.graph, node, warmup=self.warmup, repeats=self.repeats,
+                             policy=remat.remat_policy(self.branch_remat))
+      entry = {"name": node.name, "repeats": self.repeats, "jax": jax.__version__,
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "input_grad_raw_s": b, "weight_grad_raw_s": w}
+      self.measured += 1
+      self._store(fp, entry)
+    parts = [entry["input_grad_raw_s"], entry["weight_grad_raw_s"]]
+    if self.subtract_dispatch:
+      if self._dispatch is None:
+        self._dispatch = dispatch_time_s()
+      parts = [max(t - self._dispatch, 0.0) for t in parts]
+    self._times[fp] = tuple(parts)
     return self._times[fp]
 
   def node_time_s(self, node: graph_lib.Node) -> float:

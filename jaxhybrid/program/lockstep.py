@@ -10,7 +10,9 @@ group lasts as long as its busiest device, and messages are paid one after anoth
       + sum over groups of  sum over messages x of  max_src t_link(src, src + shift, bytes(x))
 
 t(F) is the node's forward time, t(B) its backward time (input cotangent and weight gradient)
-and, split, t(B) = t(W) = half of it. Cost models that give only forward + backward
+and, split, t(B) and t(W) the cost model's `input_grad_time_s` and `weight_grad_time_s` (a
+recurrence's W repeats its recurrent cotangent, so B + W can exceed the backward), or the
+backward shared by INPUT_GRAD_SHARE where it has none (`split_task_times`). Cost models that give only forward + backward
 (`node_time_s`) split it with `FORWARD_SHARE` (assumption, named in planner.problem: the backward costs twice
 the forward, the usual figure for matmul-dominated layers; Kaplan et al. 2020).
 
@@ -48,7 +50,7 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
 from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.planner.problem import FORWARD_SHARE
+from jaxhybrid.planner.problem import FORWARD_SHARE, INPUT_GRAD_SHARE
 from jaxhybrid.program import executor
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
@@ -159,6 +161,17 @@ def task_times(graph: graph_lib.OpGraph, costs: costs_lib.CostModel) -> tuple[li
   return fwd, bwd
 
 
+def split_task_times(graph: graph_lib.OpGraph, costs: costs_lib.CostModel) -> tuple[list, list]:
+  """Per node: (B, W) seconds of a split schedule under `costs`: its `input_grad_time_s` and
+  `weight_grad_time_s` where it has them (B at most the backward), else the backward shared by
+  INPUT_GRAD_SHARE, as the planner's Problem does."""
+  _, bwd = task_times(graph, costs)
+  if hasattr(costs, "input_grad_time_s"):
+    b_in = [min(costs.input_grad_time_s(n), b) for n, b in zip(graph.nodes, bwd)]
+    return b_in, [costs.weight_grad_time_s(n) for n in graph.nodes]
+  return [INPUT_GRAD_SHARE * b for b in bwd], [(1 - INPUT_GRAD_SHARE) * b for b in bwd]
+
+
 def program_step_s(
   graph: graph_lib.OpGraph,
   structure: tasks_lib.Structure,
@@ -182,11 +195,15 @@ def program_step_s(
   k = structure.schedule.microbatches
   split = structure.schedule.split
   fwd, bwd = task_times(graph, costs)
+  if split:
+    b_in, w = split_task_times(graph, costs)
 
   def t(op: sched_lib.Op) -> float:
     if op.kind == "F":
       return fwd[op.node]
-    return bwd[op.node] / 2 if split else bwd[op.node]
+    if not split:
+      return bwd[op.node]
+    return b_in[op.node] if op.kind == "B" else w[op.node]
 
   compute = transfer = fill_s = 0.0
   count = 0

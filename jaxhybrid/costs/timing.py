@@ -1,0 +1,180 @@
+"""Timing one node on the current backend: its forward + backward fused, or the tasks the
+task-scheduled program runs apart (F; B; and, split, B's input cotangents and W's weight
+gradients), each its own compiled function on random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhybrid import graph as graph_lib
+
+
+def _random_input(aval: Any, rng: np.random.Generator) -> jax.Array:
+  """A concrete array for `aval`: normal floats, zero integers/bools (valid as indices), keys.
+
+  Drawn with numpy, so that making inputs compiles nothing.
+  """
+  shape, dtype = aval.shape, aval.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    key = jax.random.key(int(rng.integers(2**31)))
+    return jax.random.split(key, math.prod(shape)).reshape(shape)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+  return jnp.asarray(np.zeros(shape, dtype))
+
+
+def _is_float(aval: Any) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  return (
+    dtype is not None
+    and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    and jnp.issubdtype(dtype, jnp.inexact)
+  )
+
+
+def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
+  """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _node_case(graph: graph_lib.OpGraph, node: graph_lib.Node, seed: int, policy: Any):
+  """(forward, diff_args, rest, cotangents) of `node` on random inputs: forward(diff_args, rest)
+  is the F task, returning ((outputs, aux), pullback), the pullback None when nothing is
+  differentiated."""
+  no_grad = {
+    v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
+    if kind in (graph_lib.BATCH, graph_lib.STATE)
+  }
+  fn = graph.node_fn(node)
+  rng = np.random.default_rng(seed)
+  inputs = [_random_input(v.aval, rng) for v in node.invars]
+  diff = [i for i, v in enumerate(node.invars) if _is_float(v.aval) and v not in no_grad]
+  out_float = [_is_float(v.aval) for v in node.outvars]
+  cts = [_random_input(v.aval, rng) for v, f in zip(node.outvars, out_float) if f]
+
+  def partial(rest, *d):
+    args = list(rest)
+    for i, x in zip(diff, d):
+      args[i] = x
+    outs = fn(*args)
+    floats = [o for o, f in zip(outs, out_float) if f]
+    return floats, [o for o, f in zip(outs, out_float) if not f]
+
+  def forward(diff_args, rest):
+    """The F task: outputs and the pullback (its arrays are the saved residuals)."""
+    f = lambda *d: partial(rest, *d)
+    if not diff_args:  # nothing to differentiate (e.g. an embedding lookup of frozen inputs)
+      return f(), None
+    if policy is not None:
+      f = jax.checkpoint(f, policy=policy)
+    outs, vjp, aux = jax.vjp(f, *diff_args, has_aux=True)
+    return (outs, aux), vjp
+
+  diff_args = [inputs[i] for i in diff]
+  rest = [None if i in diff else x for i, x in enumerate(inputs)]
+  return forward, diff_args, rest, cts
+
+
+def _param_positions(graph: graph_lib.OpGraph, node: graph_lib.Node) -> list[bool]:
+  """Per differentiated argument of `_node_case` (in order), whether it is a parameter (W's)
+  rather than an activation or other input (B's)."""
+  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
+  out = []
+  for v in node.invars:
+    kind = kinds.get(v, (None,))[0]
+    if _is_float(v.aval) and kind not in (graph_lib.BATCH, graph_lib.STATE):
+      out.append(kind == graph_lib.PARAM)
+  return out
+
+
+def time_node(
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
+) -> float:
+  """Compiles and times one node's forward + backward on the default device, seconds.
+
+  The backward is `jax.vjp` of the node w.r.t. its floating-point inputs except the batch and
+  read-only state (which get no gradient in training), with random cotangents. With a
+  `jax.checkpoint` policy the node runs rematerialised under it, recomputation included (as the
+  program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
+  across them), as in a single-device step.
+  """
+  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+
+  def fwd_bwd(diff_args, rest, cts):
+    outs, vjp = forward(diff_args, rest)
+    return outs if vjp is None else (outs, vjp(cts))
+
+  step = jax.jit(fwd_bwd)
+  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats)
+
+
+def time_node_tasks(
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
+) -> tuple[float, float]:
+  """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
+
+  F is the `jax.vjp` forward, its residuals (the pullback's arrays) written out; B applies the
+  pullback to cotangents from those stored residuals. Two compiled functions, so nothing is
+  fused across them (in the program F and B of a micro-batch run in different groups).
+  Returns (forward seconds, backward seconds); B is 0 for a node with nothing to differentiate.
+  """
+  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+  fwd = jax.jit(forward)
+  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats)
+  _, vjp = fwd(diff_args, rest)
+  if vjp is None:
+    return t_f, 0.0
+  bwd = jax.jit(lambda vjp, cts: vjp(cts))
+  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats)
+
+
+def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
+  """Median time of a jitted no-op call: the fixed cost of timing one node by itself."""
+  tiny = jax.jit(lambda x: x + 1)
+  one = jnp.zeros((), jnp.float32)
+  return median_time_s(lambda: tiny(one), warmup=warmup, repeats=repeats)
+
+
+def time_node_split(
+  graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
+  policy: Any = None,
+) -> tuple[float, float]:
+  """Times `node`'s backward as a split (zero-bubble) schedule runs it: (B, W) seconds.
+
+  B applies the pullback and keeps the cotangents of the node's non-parameter inputs (what is
+  sent upstream); W applies it and keeps the parameter gradients. Each is its own compiled
+  function, as the program's B and W tasks are, so XLA drops what a task does not return. For a
+  matmul the two are disjoint products that sum to about the whole backward; a recurrence (scan)
+  needs every step's cotangent for its weight gradient, so W repeats it (measured on one core,
+  BigLSTM-small's LSTM layer: B 50 ms, W 116 ms, the whole backward 125 ms).
+  """
+  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+  _, vjp = jax.jit(forward)(diff_args, rest)
+  if vjp is None:
+    return 0.0, 0.0
+  is_param = _param_positions(graph, node)
+
+  def keep(params: bool) -> Callable:
+    return jax.jit(lambda vjp, cts: [g for g, p in zip(vjp(cts), is_param) if p == params])
+
+  b, w = keep(False), keep(True)
+  return (median_time_s(lambda: b(vjp, cts), warmup=warmup, repeats=repeats),
+          median_time_s(lambda: w(vjp, cts), warmup=warmup, repeats=repeats))
