@@ -31,20 +31,17 @@ predicted_speedup = predicted_1dev_s / the plan's predicted step, both from prof
 plan's own `plan_predicted_speedup` is against k micro-batches run on one device, which is
 slower than one full batch on a CPU), prediction_error = |pred - meas| / meas;
 predicted_program_speedup / prediction_error_program: the same with the plan priced as the
-program runs it (jaxhybrid.program.lockstep: group by group in lock step, transfers not overlapped, plus
-each device's optimizer update and gradient accumulation and the conditionals' zero-fill, timed
-per byte in the same process; the 1-device side adds the update of all parameters),
-overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1 (>= 1: the hybrid program is as
-fast as plain jit), ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
+program runs it (program.lockstep: groups in lock step, transfers not overlapped, plus the
+optimizer update, gradient accumulation and zero-fill, timed per byte in the same process),
+overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1, ratio_vs_gspmd_tp =
+step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
 step_prediction_error (per candidate; _mean / _max per model) = |predicted program step -
 measured step| / measured step: the lock-step model's own error, without the 1-device side;
 predicted_1dev_error = (predicted_1dev_s + predicted_1dev_update_s - step_s_1dev) / step_s_1dev.
-step_s_1dev_paired: plain jit on one device timed by the two-process job itself, just before and
-after the candidate plans (mean; both processes at once, one per core), so that it and
-step_s_plan come from the same minutes; measured_speedup_paired = step_s_1dev_paired /
+step_s_1dev_paired: plain jit on one device timed by the two-process job just before and after
+the candidate plans (mean; one process per core), in the same minutes as step_s_plan; measured_speedup_paired = step_s_1dev_paired /
 step_s_plan, and prediction_error_program_paired (_mean / _max), predicted_1dev_error_paired
-against it. (step_s_1dev comes from the single role, minutes earlier; on this VM a step of the
-same program differs 15-25 % between runs.)
+against it (step_s_1dev is from minutes earlier; here a step drifts 15-25 % between runs).
 With --compare_unpacked: step_s_plan_unpacked (every transfer its own ppermute) and
 packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run.
 Step times are medians over --steps timed steps after --warmup steps.
@@ -220,7 +217,9 @@ def role_single(work: pathlib.Path, name: str) -> None:
   cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work),
                                branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
-  plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner, time_limit_s=FLAGS.time_limit)
+  kinds = {"schedule_kinds": (FLAGS.schedule,)}  # plan the kind the program runs
+  plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner,
+                       time_limit_s=FLAGS.time_limit, **kinds)
   plan_s = time.perf_counter() - t0
   # Its per-step memory passes (optimizer update, gradient accumulation, the conditionals'
   # zero-fill) are priced from this run's measured per-byte times.
@@ -230,7 +229,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
   if FLAGS.choose_lockstep:
     # The program runs in lock step: weigh the planner's plan against the pipeline heuristics'
     # plans priced that way (as jaxhybrid.program.lockstep.choose does), best predicted first.
-    cands += [planner.place(g, cm, devices=2, microbatches=k, method=m) for m in LOCKSTEP_CANDIDATES]
+    cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds)
+              for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
   priced = [
     lockstep.plan_step_s(
