@@ -5,8 +5,8 @@ with their transfer time for every (source device, destination device) pair, and
 problems by hand with `Problem.build`; `Problem.from_graph` reads a traced OpGraph and a cost model.
 
 F/B/W tasks (planner.price, planner.fbw_milp): p_i splits into the forward F (`forward_s`), the
-input cotangent B (`input_grad_s`) and the weight gradient W (the rest); unsplit schedules run
-B + W as one task. Messages carry *values* (a node's outputs; an edge carries some of them) per
+input cotangent B (`input_grad_s`) and the weight gradient W (the rest, or `weight_grad_task_s`
+where a recurrence makes B + W exceed the backward); unsplit schedules run B + W as one task. Messages carry *values* (a node's outputs; an edge carries some of them) per
 direction: activations forward, cotangents (float values only) backward. A value sent to a
 device is sent once whatever the number of its readers there, as the program does.
 """

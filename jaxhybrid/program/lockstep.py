@@ -12,9 +12,10 @@ group lasts as long as its busiest device, and messages are paid one after anoth
 t(F) is the node's forward time, t(B) its backward time (input cotangent and weight gradient)
 and, split, t(B) and t(W) the cost model's `input_grad_time_s` and `weight_grad_time_s` (a
 recurrence's W repeats its recurrent cotangent, so B + W can exceed the backward), or the
-backward shared by INPUT_GRAD_SHARE where it has none (`split_task_times`). Cost models that give only forward + backward
-(`node_time_s`) split it with `FORWARD_SHARE` (assumption, named in planner.problem: the backward costs twice
-the forward, the usual figure for matmul-dominated layers; Kaplan et al. 2020).
+backward shared by INPUT_GRAD_SHARE where it has none (`split_task_times`). Cost models that
+give only forward + backward (`node_time_s`) split it with `FORWARD_SHARE` (assumption, named in
+planner.problem: the backward costs twice the forward, the usual figure for matmul-dominated
+layers; Kaplan et al. 2020).
 
 Per-step work outside the tasks, priced when a `PassCosts` is given (`measure_pass_costs`):
 
