@@ -77,7 +77,7 @@ flags.DEFINE_string("planner", "milp", "Planner method.")
 # k=4: it picked the faster plan for Inception-V3 and GNMT; results/bench_mp_lockstep_choice.json).
 flags.DEFINE_boolean("choose_lockstep", True, "Run whichever of the planner's plan and the "
                      "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
-flags.DEFINE_integer("autotune", 3, "Time this many of the candidate plans (best predicted "
+flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
                      "first) on the two devices and run the fastest; 1 runs the lock-step "
                      "model's choice untimed against the others.")
 flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size share one "
@@ -232,23 +232,20 @@ def role_single(work: pathlib.Path, name: str) -> None:
     cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds)
               for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
-  priced = [
-    lockstep.plan_step_s(
-      g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc, branch_remat=FLAGS.branch_remat,
-      schedule=FLAGS.schedule,
-    )
-    for c in cands
-  ]
+  priced = [lockstep.plan_step_s(g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc,
+                                 branch_remat=FLAGS.branch_remat, schedule=FLAGS.schedule)
+            for c in cands]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
-  chosen = (
-    {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}}
-    if FLAGS.choose_lockstep else {}
-  )
-  # Every candidate the multi role will time, in predicted order.
-  tuned = []
+  chosen = ({"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}}
+            if FLAGS.choose_lockstep else {})
+  # Every candidate the multi role will time, in predicted order; a plan two methods found
+  # (same placement and task schedule) is timed once.
+  tuned, distinct = [], {}
+  for i in rank:
+    distinct.setdefault((tuple(cands[i].assignment), repr(cands[i].task_schedule)), i)
   for stale in work.glob(f"plan_{name}_*.json"):
     stale.unlink()
-  for i in rank[: max(1, FLAGS.autotune)]:
+  for i in list(distinct.values())[: max(1, FLAGS.autotune)]:
     cands[i].save(work / f"plan_{name}_{len(tuned)}.json")
     t = priced[i]
     tuned.append({
