@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import os
 
+# Tests check values, never speed: XLA's CPU backend compiles without LLVM's optimisation passes
+# (Inception-V3 tiny's value-and-grad: 14 s instead of 21 s here; most of the suite's time is
+# compiling). Subprocesses started by tests get it too (`subprocess_env`).
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+  _flags = f"{_flags} {COMPILE_FLAGS}"
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = _flags.strip()
+
+import re  # noqa: E402
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+# The count set above, or the one a subprocess running a test module was given.
+jax.config.update("jax_num_cpu_devices", int(re.findall(
+  r"--xla_force_host_platform_device_count=(\d+)", os.environ["XLA_FLAGS"])[-1]))
 
 import logging  # noqa: E402
 
@@ -43,3 +55,13 @@ def planner_bound_errors():
   finally:
     logger.removeHandler(handler)
   assert not handler.names, f"the planner reported invalid lower bounds: {handler.names}"
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+  """The environment for a command a test starts: this one's, on the CPU, with the test compile
+  flags but no device count (the command simulates the devices it needs), plus `extra`."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = flags.strip()
+  env.update(extra)
+  return env

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Installed package name -> folder (pyproject's package-dir mapping).
@@ -192,8 +193,7 @@ except AttributeError:
 else:
   raise SystemExit('no AttributeError')
 """
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env()
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]

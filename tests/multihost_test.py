@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "experiments", "run.py")
@@ -17,9 +18,7 @@ COMMON = ["--model=biglstm", "--size=tiny", "--mesh=2x2", "--batch=4", "--microb
 
 
 def _env() -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  return subprocess_env()
 
 
 def _free_port() -> int:

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from conftest import subprocess_env
 
 from jaxhybrid import errors
 from jaxhybrid.train import run_data, runner
@@ -27,8 +28,7 @@ TINY = runner.RunConfig(model="biglstm", size="tiny", mesh="2x2", batch=4, micro
 
 
 def run_py(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = subprocess_env()
   return subprocess.run([sys.executable, RUN, *args], capture_output=True, text=True, env=env,
                         cwd=ROOT, timeout=timeout)
 
@@ -175,7 +175,7 @@ def test_sigkill_then_resume_reproduces_uninterrupted_losses(tmp_path):
     assert os.path.getsize(tmp_path / "full" / png) > 0
 
   wd = tmp_path / "killed"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   proc = subprocess.Popen([sys.executable, RUN, *common, f"--workdir={wd}"], cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpts = wd / "checkpoints"

@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 
+from conftest import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP = os.path.join(ROOT, "experiments", "sweep.py")
 
 
 def _sweep(workdir, meshes: str, batches: str) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = subprocess_env()
   args = [sys.executable, SWEEP, "--models=biglstm", f"--meshes={meshes}", f"--batches={batches}",
           "--planners=etf", "--size=tiny", "--steps=2", f"--workdir={workdir}"]
   return subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
