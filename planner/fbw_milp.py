@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import mip
 
 from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.milp import new_model, node_limit
+from jaxhybrid.planner.milp import new_model, node_limit, proven_bound
 from jaxhybrid.planner.problem import Problem
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule, validate
 
@@ -216,7 +216,7 @@ def solve(
               <= caps[d] + total * (1 - x[t.node, d]))
   m.objective = mip.minimize(C)
   status = m.optimize(max_seconds=time_limit_s, **node_limit(max_nodes))
-  bound = float(m.objective_bound) if m.objective_bound is not None else 0.0
+  bound = proven_bound(m, 0.0)
   if status == mip.OptimizationStatus.INFEASIBLE:
     return FbwResult("infeasible", float("inf"), float("inf"), None, None)
   if m.num_solutions == 0:

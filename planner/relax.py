@@ -176,7 +176,7 @@ def solve(
   elapsed = time.monotonic() - t0
   if status == mip.OptimizationStatus.INFEASIBLE:
     return RelaxResult(bound=float("inf"), assignment=None, optimal=True, solve_time_s=elapsed)
-  bound = max(lower_bound, m.objective_bound if m.objective_bound is not None else 0.0)
+  bound = max(lower_bound, milp.proven_bound(m, 0.0))
   assignment = None
   if m.num_solutions:
     assignment = tuple(max(range(M), key=lambda d: x[i][d].x) for i in range(n))

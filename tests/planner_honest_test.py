@@ -149,6 +149,19 @@ def test_a_bound_above_the_schedule_is_reported_and_not_used(monkeypatch, planne
   assert planner_bound_errors == []
 
 
+def test_a_solver_stopped_before_its_root_relaxation_proves_nothing():
+  """CBC timed out before the root LP reports None or its infinity as the bound (Inception-V3's
+  relaxation on a 10 s limit: 1.8e308, reported as a planner bug); that is no bound."""
+
+  class Stopped:
+    def __init__(self, b):
+      self.objective_bound = b
+
+  for b in (None, 1.7976931348623157e308, float("inf"), -float("inf"), float("nan")):
+    assert milp.proven_bound(Stopped(b), 0.25) == 0.25
+  assert milp.proven_bound(Stopped(0.5), 0.25) == 0.5
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_restricted_segment_solves_give_valid_bounds(seed):
   # max_free_pairs=2 fixes most orderings of every segment MILP to the warm start's: the
