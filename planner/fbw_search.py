@@ -39,6 +39,9 @@ EXHAUSTIVE_PLACEMENTS = 512
 # Annealing: start temperature as a share of the start price, and its geometric cooling per move.
 ANNEAL_T0 = 0.02
 ANNEAL_COOLING = 0.995
+# Moves after which the temperature is 1 % of the start one (the annealing is then a descent):
+# the patience rule of `search` applies only after them.
+ANNEAL_COOL_MOVES = math.ceil(math.log(0.01) / math.log(ANNEAL_COOLING))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,7 @@ def search(
   extra: Sequence[tuple[str, Sequence[int], TaskSchedule]] = (),
   kinds: Sequence[str] = ts.KINDS + ("custom",),
   target: float = 0.0,
+  patience: int | None = None,
 ) -> tuple[Choice | None, dict[str, float]]:
   """The best (placement, schedule) in lock step within `caps`, and the baselines.
 
@@ -155,6 +159,9 @@ def search(
     kinds: the schedules the result may use ('gpipe', '1f1b', 'zb', 'custom'); the baselines
       are priced for all three generated kinds.
     target: stop once a plan is this fast (e.g. a lower bound times 1 + gap).
+    patience: once the annealing has cooled (ANNEAL_COOL_MOVES moves), stop after this many
+      moves in a row that found no faster plan (None: never); counted in moves, so where it
+      stops does not depend on the machine.
 
   With at most EXHAUSTIVE_PLACEMENTS placements every placement is priced (no annealing).
 
@@ -218,10 +225,15 @@ def search(
   rng = random.Random(seed)
   cur_assign, cur = list(best.assignment), best.step_s
   temp = ANNEAL_T0 * cur
-  count = 0
+  count = last_gain = 0
   while (time.monotonic() < t_end and (evaluations is None or count < evaluations)
          and best.step_s > target):
+    if (patience is not None and count >= ANNEAL_COOL_MOVES
+        and count - max(last_gain, ANNEAL_COOL_MOVES) >= patience):
+      log.debug("lock-step annealing stopped: no gain in %d moves", patience)
+      break
     count += 1
+    before = best.step_s
     i = rng.randrange(problem.num_nodes)
     d = rng.randrange(problem.devices - 1)
     d = d if d < cur_assign[i] else d + 1
@@ -230,6 +242,8 @@ def search(
     p = consider("annealing", cand)
     if p < cur or (p < math.inf and rng.random() < math.exp(-(p - cur) / max(temp, 1e-300))):
       cur_assign, cur = cand, p
+    if best.step_s < before:
+      last_gain = count
     temp *= ANNEAL_COOLING
   log.debug("lock-step annealing: %d placements priced, best %.6g (%s)", count,
             best.step_s, best.found_by)

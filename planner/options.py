@@ -132,6 +132,16 @@ class PlannerOptions:
   lockstep_search_share: float = 0.15
   # Placements that annealing prices (None: its time share alone stops it). Tests set it.
   lockstep_evaluations: int | None = None
+  # Assumption: once cooled (fbw_search.ANNEAL_COOL_MOVES moves), the lock-step annealing stops
+  # after this many moves in a row without a faster plan (None: only the time limit stops it).
+  # Measured (session 12, 30 s runs on the paper problems): between two improvements of the best
+  # plan at most 163 placements were priced on GNMT, 129 on Inception-V3 after its first 633.
+  lockstep_patience: int | None = 400
+  # With the lock-step objective, the most seconds the warm-start phases before the lock-step
+  # search (the fused annealing, relaxation, CP-SAT and MILP searches, whose placements only
+  # seed it) and the F/B/W MILP take (None: their shares of the limit). Assumption: on the paper
+  # models a 10 s limit (8.5 s of warm start) gave plans within 0-8.5 % of the 60 s ones.
+  warm_start_max_s: float | None = 5.0
   # Task schedules the lock-step search may return: generated 'gpipe', '1f1b', 'zb' (also with
   # the fused search's forward order as priority), and 'custom' (the F/B/W MILP's own order).
   # The API passes the program's requested kind here, so that the plan is the schedule it runs.
@@ -184,7 +194,7 @@ class PlannerOptions:
     if not isinstance(self.search_chains, int) or self.search_chains < 1:
       raise ValueError(f"search_chains={self.search_chains!r}: use an integer >= 1.")
     for name in ("cpsat_deterministic_time", "milp_max_nodes", "search_evaluations",
-                 "lockstep_evaluations"):
+                 "lockstep_evaluations", "lockstep_patience", "warm_start_max_s"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"{name}={value!r}: use a positive limit, or None for none.")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Mapping
 
@@ -138,7 +139,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   # pipelined MILP) cannot starve it (Inception-V3 M=2 k=4 at 10 s: 0.05 s were left and the
   # plan was 8 % worse than the GPipe baseline priced with time).
   lock_share = opts.lockstep_search_share if opts.objective == "lockstep" else 0.0
-  clock = _Clock(opts.time_limit_s, reserve_share=lock_share)
+  clock = _Clock(opts.time_limit_s, reserve_share=lock_share,
+                 warm_max_s=opts.warm_start_max_s if lock_share else None)
   if opts.devices != problem.devices:
     raise ValueError(
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
@@ -371,8 +373,9 @@ def _lockstep(
       break  # its order could not be returned; the simple bound stands
     if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
       break
+    limit = budget / 4 if opts.warm_start_max_s is None else min(budget / 4, opts.warm_start_max_s / 2)
     res = fbw_milp.solve(
-      problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, budget / 4),
+      problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, limit),
       max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
     )
     optima.append(res.bound)
@@ -388,7 +391,7 @@ def _lockstep(
   choice, baselines = fbw_search.search(
     problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
     evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
-    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap),
+    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap), patience=opts.lockstep_patience,
   )
   if choice is None:
     raise InfeasibleError(_short_message(
@@ -453,13 +456,15 @@ def _anneal(
 class _Clock:
   """The time left of `place` and its split between the phases still to run."""
 
-  def __init__(self, limit_s: float, reserve_share: float = 0.0):
+  def __init__(self, limit_s: float, reserve_share: float = 0.0, warm_max_s: float | None = None):
     self._t0 = time.monotonic()
     # The phases end by the limit less a reserve for the solvers' overrun and the plan's
     # construction.
     self._deadline = self._t0 + limit_s - min(_CLEANUP_S, _RESERVE_SHARE * limit_s)
     # Seconds kept for the last phase (`rest`): `share` splits only the time before them.
     self._kept = reserve_share * (self._deadline - self._t0)
+    # The phases before `rest` end by then at the latest.
+    self._warm_end = self._t0 + warm_max_s if warm_max_s is not None else math.inf
 
   def elapsed(self) -> float:
     return time.monotonic() - self._t0
@@ -472,7 +477,8 @@ class _Clock:
     weight, total = phases[phase], sum(phases[n] for n in rest)
     for n in names[:names.index(phase) + 1]:
       del phases[n]
-    left = max(0.0, self._deadline - self._kept - time.monotonic())
+    end = min(self._deadline - self._kept, self._warm_end)
+    left = max(0.0, end - time.monotonic())
     return max(_MIN_PHASE_S, left * weight / total if total > 0 else left)
 
   def rest(self) -> float:

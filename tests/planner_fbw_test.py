@@ -328,3 +328,31 @@ def test_gradient_tasks_share_a_group_up_to_the_byte_cap(split):
   _, big = lockstep_rule.lockstep_groups(sched, edges, assignment, reads, grad_bytes=[100] * 6,
                               group_grad_bytes=15)
   assert all(len(n) == 1 for p in grad_nodes_per_group(big) for n in p.values())
+
+
+def test_lockstep_annealing_stops_by_patience_and_repeats_itself(monkeypatch):
+  """With a patience the lock-step annealing ends by counting moves, not by the clock: under a
+  time limit far above the work, it stops, and two runs return the same plan."""
+  from planner_test import _random_problem
+
+  prob = _random_problem(4, n=12)  # 2^12 placements: annealed, not enumerated
+  assert prob.devices ** prob.num_nodes > fbw_search.EXHAUSTIVE_PLACEMENTS
+  priced = []
+  real = fbw_search.best_schedule
+
+  def counting(*args, **kwargs):
+    priced.append(tuple(args[1]))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(fbw_search, "best_schedule", counting)
+  seeds = {"single": ((0,) * prob.num_nodes, None)}
+  runs = []
+  for _ in range(2):
+    priced.clear()
+    choice, _ = fbw_search.search(prob, 2, None, seeds, time_limit_s=600.0, seed=3,
+                                  patience=40, evaluations=None)
+    runs.append((choice.assignment, choice.step_s, len(priced)))
+  assert runs[0] == runs[1]
+  # It stopped by patience (the clock would have allowed far more) and improved on the seed.
+  assert runs[0][2] < fbw_search.ANNEAL_COOL_MOVES + 40 * 50
+  assert runs[0][1] < real(prob, (0,) * prob.num_nodes, 2, None)[2]
