@@ -134,10 +134,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     ValueError: options.devices differs from problem.devices.
   """
   opts = options or PlannerOptions(devices=problem.devices)
-  # With the lock-step objective its search (the plan's own objective) keeps its share of the
-  # limit: the warm-start phases before it split the rest, so a slow one (e.g. building a large
-  # pipelined MILP) cannot starve it (Inception-V3 M=2 k=4 at 10 s: 0.05 s were left and the
-  # plan was 8 % worse than the GPipe baseline priced with time).
+  # The lock-step search keeps its share; warm starts split the rest, ending by warm_start_max_s.
   lock_share = opts.lockstep_search_share if opts.objective == "lockstep" else 0.0
   clock = _Clock(opts.time_limit_s, reserve_share=lock_share,
                  warm_max_s=opts.warm_start_max_s if lock_share else None)
@@ -373,7 +370,7 @@ def _lockstep(
       break  # its order could not be returned; the simple bound stands
     if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
       break
-    limit = budget / 4 if opts.warm_start_max_s is None else min(budget / 4, opts.warm_start_max_s / 2)
+    limit = min(budget / 4, opts.warm_start_max_s / 2 if opts.warm_start_max_s else math.inf)
     res = fbw_milp.solve(
       problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, limit),
       max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
@@ -458,12 +455,10 @@ class _Clock:
 
   def __init__(self, limit_s: float, reserve_share: float = 0.0, warm_max_s: float | None = None):
     self._t0 = time.monotonic()
-    # The phases end by the limit less a reserve for the solvers' overrun and the plan's
-    # construction.
+    # The phases end by the limit less a reserve for the solvers' overrun and building the plan;
+    # `share` splits the time before the last phase's kept seconds, ending by `_warm_end`.
     self._deadline = self._t0 + limit_s - min(_CLEANUP_S, _RESERVE_SHARE * limit_s)
-    # Seconds kept for the last phase (`rest`): `share` splits only the time before them.
     self._kept = reserve_share * (self._deadline - self._t0)
-    # The phases before `rest` end by then at the latest.
     self._warm_end = self._t0 + warm_max_s if warm_max_s is not None else math.inf
 
   def elapsed(self) -> float:
