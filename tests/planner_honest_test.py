@@ -211,6 +211,41 @@ def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
   assert plan.lower_bound_s <= plan.predicted_step_s
 
 
+def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkeypatch):
+  # The limits each phase is given (not what it reached): the warm-start phases get at most
+  # warm_start_max_s, and the lock-step search at least its kept share of the limit (session 12:
+  # a 3.4 s MILP build on a 0.67 s share had left it 0.05 s).
+  from jaxhybrid.planner import fbw_search
+
+  given: dict[str, float] = {}
+
+  def spy(name, module, attr, key):
+    real = getattr(module, attr)
+
+    def wrapped(*args, **kwargs):
+      given[name] = kwargs[key] if key in kwargs else args[4]
+      return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, wrapped)
+
+  spy("relaxation", relax, "solve", "time_limit_s")
+  spy("annealing", heur, "local_search", "time_budget_s")
+  spy("cpsat", cpsat, "solve", "time_limit_s")
+  spy("lockstep", fbw_search, "search", "time_limit_s")
+  prob = _inception_like(blocks=2, devices=2, seed=3)
+  limit, cap, share = 40.0, 1.0, 0.15
+  opts = planner.PlannerOptions(devices=2, microbatches=2, time_limit_s=limit, threads=1,
+                                warm_start_max_s=cap, lockstep_search_share=share,
+                                cpsat_deterministic_time=0.5, milp_max_nodes=50,
+                                search_evaluations=20, lockstep_evaluations=20)
+  plan = planner.place_problem(prob, opts)
+  assert {"relaxation", "annealing", "cpsat", "lockstep"} <= set(given)
+  for name in ("relaxation", "annealing", "cpsat"):
+    assert 0 < given[name] <= cap, (name, given[name])
+  assert given["lockstep"] >= share * limit, given["lockstep"]
+  assert plan.lockstep_step_s is not None and plan.lockstep_bound_s <= plan.lockstep_step_s
+
+
 def test_the_search_is_never_worse_than_plain_annealing():
   # The annealing the planner runs is one of its candidates: whatever CP-SAT and the MILP do in
   # their time, the plan is at least as good as annealing from the best heuristic with the same
