@@ -177,8 +177,9 @@ def test_restricted_segment_solves_give_valid_bounds(seed):
   assert plan.lower_bound_s <= want + 1e-9
 
 
-def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
-  # Record when each phase starts and the seconds it is given; the solvers run as usual.
+def _spy_on_phases(monkeypatch, phases) -> dict[str, tuple[float, float]]:
+  """name -> (when the phase started, the seconds it was given), for each (name, module,
+  function, keyword of its limit) in `phases`; the solvers run as usual."""
   given: dict[str, tuple[float, float]] = {}
 
   def spy(name, module, attr, key):
@@ -190,10 +191,18 @@ def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
 
     monkeypatch.setattr(module, attr, wrapped)
 
-  spy("relaxation", relax, "solve", "time_limit_s")
-  spy("annealing", heur, "local_search", "time_budget_s")
-  spy("cpsat", cpsat, "solve", "time_limit_s")
-  spy("milp", milp, "solve", "time_limit_s")
+  for phase in phases:
+    spy(*phase)
+  return given
+
+
+_PHASES = [("relaxation", relax, "solve", "time_limit_s"),
+           ("annealing", heur, "local_search", "time_budget_s"),
+           ("cpsat", cpsat, "solve", "time_limit_s")]
+
+
+def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
+  given = _spy_on_phases(monkeypatch, _PHASES + [("milp", milp, "solve", "time_limit_s")])
   prob = _inception_like(blocks=2, devices=2, seed=3)
   limit = 20.0
   opts = planner.PlannerOptions(objective="makespan", devices=2, microbatches=4, time_limit_s=limit, threads=1,
@@ -217,21 +226,7 @@ def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkey
   # a 3.4 s MILP build on a 0.67 s share had left it 0.05 s).
   from jaxhybrid.planner import fbw_search
 
-  given: dict[str, float] = {}
-
-  def spy(name, module, attr, key):
-    real = getattr(module, attr)
-
-    def wrapped(*args, **kwargs):
-      given[name] = kwargs[key] if key in kwargs else args[4]
-      return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, attr, wrapped)
-
-  spy("relaxation", relax, "solve", "time_limit_s")
-  spy("annealing", heur, "local_search", "time_budget_s")
-  spy("cpsat", cpsat, "solve", "time_limit_s")
-  spy("lockstep", fbw_search, "search", "time_limit_s")
+  given = _spy_on_phases(monkeypatch, _PHASES + [("lockstep", fbw_search, "search", "time_limit_s")])
   prob = _inception_like(blocks=2, devices=2, seed=3)
   limit, cap, share = 40.0, 1.0, 0.15
   opts = planner.PlannerOptions(devices=2, microbatches=2, time_limit_s=limit, threads=1,
@@ -241,8 +236,8 @@ def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkey
   plan = planner.place_problem(prob, opts)
   assert {"relaxation", "annealing", "cpsat", "lockstep"} <= set(given)
   for name in ("relaxation", "annealing", "cpsat"):
-    assert 0 < given[name] <= cap, (name, given[name])
-  assert given["lockstep"] >= share * limit, given["lockstep"]
+    assert 0 < given[name][1] <= cap, (name, given[name])
+  assert given["lockstep"][1] >= share * limit, given["lockstep"]
   assert plan.lockstep_step_s is not None and plan.lockstep_bound_s <= plan.lockstep_step_s
 
 
