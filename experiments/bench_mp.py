@@ -50,6 +50,7 @@ Step times are medians over --steps timed steps after --warmup steps.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -277,6 +278,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
+    "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
     "candidates": tuned, **chosen,
   }))
 
