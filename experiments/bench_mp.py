@@ -14,37 +14,38 @@ jax.distributed with gloo collectives; the 1-device baseline is one such process
    data-parallel step and the hybrid program are timed on mesh 2x1; a GSPMD tensor-parallel
    `jax.jit` step (each weight sharded over 'model' on its largest divisible dimension) is timed
    on mesh 1x2.
-Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 256,
-batch 8192, k=8: a uniform pipeline of 1024-row micro-batches; `--set width=1024 --batch=512` is
-the earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS). The program runs
---schedule (default 1F1B). Per model the prediction error of EVERY timed candidate is summarised
-(prediction_error_program_mean / _max), and the lock-step model's first pick is reported beside
-the autotuned one (first_pick_*). Data-parallel baselines on 2x1: plain `jax.jit` (XLA
-all-reduces each leaf: step_s_jit_dp) and the DP a user would write over slow links, every
-gradient in ONE flat all-reduce (step_s_dp_bucketed; ratio_vs_dp_bucketed = step_s_dp_bucketed /
-step_s_hybrid_2x1). Results are written after each model; --budget_s bounds the whole run
-(models left when it is spent, or whose job fails or runs past it, are listed as skipped with
-the reason). Quick models run first (Inception-V3 compiles for minutes per candidate).
-Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan,
-predicted_speedup = predicted_1dev_s / the plan's predicted step, both from profiled costs
-(predicted_1dev_s: the graph traced at the full per-worker batch, its node times summed; the
-plan's own `plan_predicted_speedup` is against k micro-batches run on one device, which is
-slower than one full batch on a CPU), prediction_error = |pred - meas| / meas;
-predicted_program_speedup / prediction_error_program: the same with the plan priced as the
-program runs it (program.lockstep: groups in lock step, transfers not overlapped, plus the
-optimizer update, gradient accumulation and zero-fill, timed per byte in the same process),
-overhead_ratio_vs_jit_dp = step_s_jit_dp / step_s_hybrid_2x1, ratio_vs_gspmd_tp =
-step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
-step_prediction_error (per candidate; _mean / _max per model) = |predicted program step -
-measured step| / measured step: the lock-step model's own error, without the 1-device side;
+Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 256, batch
+8192, k=8: a uniform pipeline of 1024-row micro-batches; `--set width=1024 --batch=512` is the
+earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS). The program runs --schedule
+(default 1F1B). Per model the prediction error of EVERY timed candidate is summarised
+(prediction_error_program_mean / _max), and the lock-step model's first pick is reported beside the
+autotuned one (first_pick_*). Data-parallel baselines on 2x1: plain `jax.jit` (XLA all-reduces each
+leaf: step_s_jit_dp) and the DP a user would write over slow links, every gradient in ONE flat
+all-reduce (step_s_dp_bucketed; ratio_vs_dp_bucketed = step_s_dp_bucketed / step_s_hybrid_2x1).
+Results are written after each model; --budget_s bounds the whole run (models left when it is
+spent, or whose job fails or runs past it, are listed as skipped with the reason). Quick models run
+first (Inception-V3 compiles for minutes per candidate).
+Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan, predicted_speedup
+= predicted_1dev_s / the plan's predicted step, both from profiled costs (predicted_1dev_s: the
+graph traced at the full per-worker batch, its node times summed; the plan's own
+`plan_predicted_speedup` is against k micro-batches run on one device, which is slower than one
+full batch on a CPU), prediction_error = |pred - meas| / meas; predicted_program_speedup /
+prediction_error_program: the same with the plan priced as the program runs it (program.lockstep:
+groups in lock step, transfers not overlapped, plus the optimizer update, gradient accumulation and
+zero-fill, timed per byte in the same process), overhead_ratio_vs_jit_dp = step_s_jit_dp /
+step_s_hybrid_2x1, ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins).
+step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
+step| / measured step: the lock-step model's own error, without the 1-device side;
+plan_lockstep_prediction_error (_mean / _max): the plan's own lock-step price
+(plan_lockstep_step_s) as a speedup over the full-batch 1-device prediction, against measured;
 predicted_1dev_error = (predicted_1dev_s + predicted_1dev_update_s - step_s_1dev) / step_s_1dev.
-step_s_1dev_paired: plain jit on one device timed by the two-process job just before and after
-the candidate plans (mean; one process per core), in the same minutes as step_s_plan; measured_speedup_paired = step_s_1dev_paired /
-step_s_plan, and prediction_error_program_paired (_mean / _max), predicted_1dev_error_paired
-against it (step_s_1dev is from minutes earlier; here a step drifts 15-25 % between runs).
-With --compare_unpacked: step_s_plan_unpacked (every transfer its own ppermute) and
-packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run.
-Step times are medians over --steps timed steps after --warmup steps.
+step_s_1dev_paired: plain jit on one device timed by the two-process job just before and after the
+candidate plans (mean; one process per core), in the same minutes as step_s_plan;
+measured_speedup_paired = step_s_1dev_paired / step_s_plan, and prediction_error_program_paired
+(_mean / _max), predicted_1dev_error_paired against it (step_s_1dev is from minutes earlier; here a
+step drifts 15-25 % between runs). With --compare_unpacked: step_s_plan_unpacked (every transfer
+its own ppermute) and packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run. Step
+times are medians over --steps timed steps after --warmup steps.
 """
 
 from __future__ import annotations
@@ -230,15 +231,12 @@ def role_single(work: pathlib.Path, name: str) -> None:
   if FLAGS.choose_lockstep:
     # The program runs in lock step: weigh the planner's plan against the pipeline heuristics'
     # plans priced that way (as jaxhybrid.program.lockstep.choose does), best predicted first.
-    cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds)
-              for m in LOCKSTEP_CANDIDATES]
+    cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds) for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
-  priced = [lockstep.plan_step_s(g, c, cm, pack_max_bytes=_pack_max_bytes(), pass_costs=pc,
-                                 branch_remat=FLAGS.branch_remat, schedule=FLAGS.schedule)
-            for c in cands]
+  priced = [lockstep.plan_step_s(g, c, cm, pass_costs=pc, branch_remat=FLAGS.branch_remat,
+                                 schedule=FLAGS.schedule) for c in cands]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
-  chosen = ({"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}}
-            if FLAGS.choose_lockstep else {})
+  chosen = {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}} if FLAGS.choose_lockstep else {}
   # Every candidate the multi role will time, in predicted order; a plan two methods found
   # (same placement and task schedule) is timed once.
   tuned, distinct = [], {}
@@ -251,8 +249,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     t = priced[i]
     tuned.append({
       "plan_method": methods[i], "lockstep_rank": len(tuned), "predicted_step_s": cands[i].predicted_step_s,
-      "plan_predicted_speedup": cands[i].predicted_speedup,
-      "plan_single_device_s": cands[i].single_device_s,
+      "plan_predicted_speedup": cands[i].predicted_speedup, "plan_single_device_s": cands[i].single_device_s,
       # The plan's own lock-step price (planner.price: tasks and messages, no per-byte passes).
       "plan_lockstep_step_s": getattr(cands[i], "lockstep_step_s", None),
       "plan_schedule_kind": getattr(getattr(cands[i], "task_schedule", None), "kind", None),
@@ -375,39 +372,41 @@ def driver() -> list[dict]:
   localcluster.launch(_worker_argv("calibrate"), 2, timeout_s=_job_s(t_start))
   cases = []
   for name in FLAGS.models:
+    why = None
     if _job_s(t_start) < MIN_JOB_S:
       why = f"under {MIN_JOB_S:.0f} s of the {FLAGS.budget_s:.0f} s budget left"
+    else:
+      # Each job gets what is left of the budget; a job that fails or runs out of time is
+      # reported as this model's skip reason and the next model runs.
+      try:
+        logging.info("%s: profile, plan, time 1 device", name)
+        localcluster.launch(_worker_argv("single", name), 1, timeout_s=_job_s(t_start))
+        logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
+        localcluster.launch(_worker_argv("multi", name), 2, timeout_s=_job_s(t_start))
+      except RuntimeError as e:
+        why = re.sub(r"\[.*\]", "[...]", str(e).splitlines()[0])  # the job's argv elided
+    if why:
       logging.warning("%s skipped: %s", name, why)
       cases.append({"model": name, "skipped": why})
-      _write(cases)
-      continue
-    # Each job gets what is left of the budget; a job that fails or runs out of time is
-    # reported as this model's skip reason and the next model runs.
-    try:
-      logging.info("%s: profile, plan, time 1 device", name)
-      localcluster.launch(_worker_argv("single", name), 1, timeout_s=_job_s(t_start))
-      logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
-      localcluster.launch(_worker_argv("multi", name), 2, timeout_s=_job_s(t_start))
-    except RuntimeError as e:
-      reason = re.sub(r"\[.*\]", "[...]", str(e).splitlines()[0])  # the job's argv elided
-      logging.warning("%s skipped: %s", name, reason)
-      cases.append({"model": name, "skipped": reason})
       _write(cases)
       continue
     single = json.loads((work / f"single_{name}.json").read_text())
     multi = json.loads((work / f"multi_{name}.json").read_text())
     meas = single["step_s_1dev"] / multi["step_s_plan"]
+    full_1dev_s = single["predicted_1dev_s"] + single["predicted_1dev_update_s"]
     for c, step_s in zip(single["candidates"], multi["candidate_step_s"]):
       c["step_s_plan"] = step_s
-      c["prediction_error_program"] = abs(
-        c["predicted_program_speedup"] - single["step_s_1dev"] / step_s
-      ) / (single["step_s_1dev"] / step_s)
+      c["prediction_error_program"] = _err(c["predicted_program_speedup"], single["step_s_1dev"] / step_s)
       # The lock-step model's own error: its predicted program step against the measured one
       # (the speedup error above also carries the error of predicting plain jit on one device).
-      c["step_prediction_error"] = abs(c["predicted_program_step_s"] - step_s) / step_s
-      c["prediction_error_program_paired"] = abs(
-        c["predicted_program_speedup"] - multi["step_s_1dev_paired"] / step_s
-      ) / (multi["step_s_1dev_paired"] / step_s)
+      c["step_prediction_error"] = _err(c["predicted_program_step_s"], step_s)
+      c["prediction_error_program_paired"] = _err(
+        c["predicted_program_speedup"], multi["step_s_1dev_paired"] / step_s)
+      # The plan's own lock-step price as a speedup over the full-batch one-device prediction
+      # (Plan.single_device_s is the k micro-batches one after another), against measured.
+      c["plan_lockstep_prediction_error"] = _err(
+        full_1dev_s / c["plan_lockstep_step_s"], single["step_s_1dev"] / step_s
+      ) if c.get("plan_lockstep_step_s") else None
     run = single["candidates"][multi["chosen_candidate"]]
     pred = run["predicted_speedup"]
     cases.append({
@@ -421,21 +420,20 @@ def driver() -> list[dict]:
     })
     errs = [c["prediction_error_program"] for c in single["candidates"]]
     step_errs = [c["step_prediction_error"] for c in single["candidates"]]
+    plan_errs = [c["plan_lockstep_prediction_error"] for c in single["candidates"]]
     paired = [c["prediction_error_program_paired"] for c in single["candidates"]]
     first = next(c for c in single["candidates"] if c["lockstep_rank"] == 0)
     cases[-1].update(
-      prediction_error_program_mean=sum(errs) / len(errs),
-      prediction_error_program_max=max(errs),
+      prediction_error_program_mean=sum(errs) / len(errs), prediction_error_program_max=max(errs),
       step_prediction_error_mean=sum(step_errs) / len(step_errs),
       prediction_error_program_paired_mean=sum(paired) / len(paired),
       prediction_error_program_paired_max=max(paired),
-      predicted_1dev_error_paired=(
-        single["predicted_1dev_s"] + single["predicted_1dev_update_s"] - multi["step_s_1dev_paired"]
-      ) / multi["step_s_1dev_paired"],
+      predicted_1dev_error_paired=(full_1dev_s - multi["step_s_1dev_paired"]) / multi["step_s_1dev_paired"],
       step_prediction_error_max=max(step_errs),
-      predicted_1dev_error=(
-        single["predicted_1dev_s"] + single["predicted_1dev_update_s"] - single["step_s_1dev"]
-      ) / single["step_s_1dev"],
+      predicted_1dev_error=(full_1dev_s - single["step_s_1dev"]) / single["step_s_1dev"],
+      **({} if None in plan_errs else {
+        "plan_lockstep_prediction_error_mean": sum(plan_errs) / len(plan_errs),
+        "plan_lockstep_prediction_error_max": max(plan_errs)}),
       first_pick_method=first["plan_method"],
       first_pick_measured_speedup=single["step_s_1dev"] / first["step_s_plan"],
       first_pick_prediction_error=first["prediction_error_program"],
@@ -451,6 +449,10 @@ def driver() -> list[dict]:
 # A model is not started with less than this much of the budget left (its jobs would be
 # stopped before they time anything: profiling and planning alone take a minute or more).
 MIN_JOB_S = 120.0
+
+
+def _err(predicted: float, measured: float) -> float:
+  return abs(predicted - measured) / measured
 
 
 def _job_s(t_start: float) -> float:
@@ -490,9 +492,8 @@ def main(argv):
       print(f"{c['model']:>16} skipped: {c['skipped']}")
       continue
     print(" ".join(f"{c[k]:>16.4g}" if isinstance(c[k], float) else f"{c[k]:>16}" for k in cols))
-  if FLAGS.out:
-    pathlib.Path(FLAGS.out).write_text(json.dumps(cases, indent=2))
-    print(f"wrote {FLAGS.out}")
+  _write(cases)
+  print(f"wrote {FLAGS.out}" if FLAGS.out else "no --out given: nothing written")
 
 
 if __name__ == "__main__":
