@@ -1,0 +1,56 @@
+"""experiments/trace_groups.py: cutting a traced timeline into lock-step groups (no JAX run)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                     "trace_groups.py")
+
+
+@pytest.fixture(scope="module")
+def tg():
+  spec = importlib.util.spec_from_file_location("trace_groups_under_test", _PATH)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _x(name, ts_us, dur_us, tid=7):
+  return {"ph": "X", "name": name, "ts": ts_us, "dur": dur_us, "tid": tid, "pid": 1}
+
+
+def test_timeline_keeps_outermost_events_of_the_executing_thread(tmp_path, tg):
+  events = [
+    _x("conditional.3", 0, 100), _x("dot.1", 10, 50),  # inside the conditional: dropped
+    _x("ppermute.2", 120, 30), _x("end: ppermute.2", 150, 0),
+    _x("conditional.4", 200, 40), _x("ppermute.9", 210, 5),  # nested in a conditional: dropped
+    _x("all-reduce.1", 300, 10),
+    _x("conditional.1", 0, 1000, tid=8),  # another thread with fewer conditionals
+  ]
+  folder = tmp_path / "trace" / "plugins" / "profile" / "run"
+  folder.mkdir(parents=True)
+  with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  got = tg._timeline(tmp_path / "trace")
+  assert [k for k, _, _ in got] == ["conditional", "ppermute", "conditional", "all-reduce"]
+  assert got[1][1:] == pytest.approx((120e-6, 150e-6))
+
+
+def test_groups_split_busy_and_ppermute_time_per_step(tg):
+  # Two steps of two groups; seconds. Group 0: busy 1.0 then two ppermutes 0.2 + 0.1; group 1:
+  # busy 0.5 (0.1 before its conditional's start is counted to it), then ppermute 0.3.
+  def step(t):
+    return [("conditional", t, t + 0.8), ("ppermute", t + 1.0, t + 1.2), ("ppermute", t + 1.2, t + 1.3),
+            ("conditional", t + 1.4, t + 1.7), ("ppermute", t + 1.8, t + 2.1)]
+  timeline = step(0.0) + step(3.0)
+  got = tg._measured_groups(timeline, groups=2, steps=2)
+  assert got[0]["busy_s"] == pytest.approx(1.0) and got[0]["ppermute_s"] == pytest.approx(0.3)
+  assert got[1]["busy_s"] == pytest.approx(0.5) and got[1]["ppermute_s"] == pytest.approx(0.3)
+  with pytest.raises(RuntimeError, match="expected 3 x 2"):
+    tg._measured_groups(timeline, groups=3, steps=2)
