@@ -6,15 +6,18 @@ r"""Where a 2-way plan's step goes: each lock-step group, measured on one-core d
 
 Runs the plan as bench_mp's multi role does (mesh 1x2, two processes pinned to one core each,
 jaxhybrid.program.localcluster), traces --trace_steps steps with `jax.profiler` (perfetto JSON)
-in each process and cuts each device's timeline at the program's group conditionals (one
-`lax.switch` per group): per group and device, `busy_s` is the time outside the group's
-ppermutes (the branch, packing and unpacking) and `ppermute_s` the time inside them (the
-transfer and the wait for the other device). Beside them, the lock-step model's price of the same
-group (`jaxhybrid.program.lockstep`, from the workdir's node profiles and link): the device's
-tasks (`tasks_s`) and the group's messages (`transfer_s`). Also each process's minor page faults
-per step (getrusage). Reads bench_mp's workdir: single_{model}.json (batch, micro-batches,
-branch_remat), link.json, profiles/. The trace event names ('conditional', 'ppermute') are those of
-XLA's CPU runtime; registry models only (not bench_mp's chain).
+in each process and cuts each device's timeline at the program's messages (each group's
+ppermutes, in group order; this assumes XLA keeps that order, and each traced step must hold
+exactly the program's number of ppermutes). Per group and device: `busy_s`, the time from the
+previous group's last message to this group's first (the branch, packing, unpacking), and
+`ppermute_s`, the time inside this group's ppermutes (the transfer and the wait for the other
+device); `after_last_message_s`: the rest of the step (the last groups' tasks, the optimizer
+update, the all-reduce). Beside them, the lock-step model's price of the same group
+(`jaxhybrid.program.lockstep`, from the workdir's node profiles and link): each device's tasks
+(`tasks_s`) and the group's messages (`transfer_s`). Also each process's minor page faults per
+step (getrusage). Reads bench_mp's workdir: single_{model}.json (batch, micro-batches,
+branch_remat), link.json, profiles/. The trace event names are those of XLA's CPU runtime;
+registry models only (not bench_mp's chain).
 """
 
 from __future__ import annotations
@@ -91,8 +94,12 @@ def role_trace(work: pathlib.Path) -> None:
   (folder / "steps.json").write_text(json.dumps({"step_s": times, "minor_faults_per_step": faults}))
 
 
-def _timeline(folder: pathlib.Path) -> list[tuple[str, float, float]]:
-  """Outermost 'conditional' / 'ppermute' / 'all-reduce' events of the executing thread (s)."""
+STEP_EVENT = "ThunkExecutor::Execute (wait for completion)"  # one per executed step (XLA:CPU)
+
+
+def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
+  """Outermost ppermute / conditional / all-reduce events of the executing thread and the
+  executed steps' windows, in seconds."""
   path = glob.glob(str(folder / "**" / "*perfetto*"), recursive=True)[0]
   with gzip.open(path) as f:
     events = json.load(f)
@@ -101,33 +108,65 @@ def _timeline(folder: pathlib.Path) -> list[tuple[str, float, float]]:
   for e in events:
     if e.get("ph") == "X" and not e["name"].startswith("end:"):
       by_thread[e["tid"]].append(e)
-  thread = max(by_thread, key=lambda t: sum(e["name"].startswith("conditional") for e in by_thread[t]))
+  windows = sorted((e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)
+                   for es in by_thread.values() for e in es if e["name"] == STEP_EVENT)
+  thread = max(by_thread, key=lambda t: sum(e["name"].startswith("ppermute") for e in by_thread[t]))
   out, end = [], -1.0
   for e in sorted(by_thread[thread], key=lambda e: (e["ts"], -e["dur"])):
     kind = e["name"].split(".")[0]
     if kind in ("conditional", "ppermute", "all-reduce") and e["ts"] >= end:
       out.append((kind, e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
       end = e["ts"] + e["dur"]
-  return out
+  return out, windows
 
 
-def _measured_groups(timeline, groups: int, steps: int) -> list[dict]:
-  """Per group (averaged over the traced steps): busy and ppermute seconds on one device."""
-  conds = [i for i, ev in enumerate(timeline) if ev[0] == "conditional"]
-  if len(conds) < groups * steps:
-    raise RuntimeError(f"the trace holds {len(conds)} group conditionals, expected {groups} x {steps}")
-  out = [{"busy_s": 0.0, "ppermute_s": 0.0} for _ in range(groups)]
-  for s in range(steps):
-    prev_end = timeline[conds[s * groups]][1]
-    for g in range(groups):
-      i = conds[s * groups + g]
-      nxt = conds[s * groups + g + 1] if s * groups + g + 1 < len(conds) else len(timeline)
-      pp = [ev for ev in timeline[i + 1 : nxt] if ev[0] == "ppermute"]
-      first = pp[0][1] if pp else (timeline[nxt][1] if nxt < len(timeline) else timeline[i][2])
-      out[g]["busy_s"] += (first - prev_end) / steps
-      out[g]["ppermute_s"] += sum(b - a for _, a, b in pp) / steps
-      prev_end = pp[-1][2] if pp else first
-  return out
+def _group_messages(events, messages: list[int]):
+  """Each group's ppermute events within one step, or None when the trace cannot be cut.
+
+  Cut at the group conditionals when the step holds one per group, else at the messages by
+  count when the step holds the program's number (XLA may turn a small conditional into selects,
+  or drop or combine a message, so either count can differ from the program's).
+  """
+  conds = [i for i, ev in enumerate(events) if ev[0] == "conditional"]
+  if len(conds) == len(messages):
+    bounds = [*conds, len(events)]
+    return [[ev for ev in events[bounds[g] + 1 : bounds[g + 1]] if ev[0] == "ppermute"]
+            for g in range(len(messages))]
+  pp = [ev for ev in events if ev[0] == "ppermute"]
+  if len(pp) != sum(messages):
+    return None
+  starts = [sum(messages[:g]) for g in range(len(messages))]
+  return [pp[i : i + n] for i, n in zip(starts, messages)]
+
+
+def _measured_groups(timeline, windows, messages: list[int]) -> tuple[list[dict] | None, float, float]:
+  """Averaged over the step windows: per group, busy and ppermute seconds on one device (None if
+  the trace cannot be cut into the program's groups), the time after the step's last message (the
+  last groups' tasks, the update, the all-reduce) and the step's ppermute seconds.
+
+  A group's busy time runs from the previous group's last message (or the step's start) to its
+  first; a group without messages has busy 0 and its time counts to the next group that has.
+  """
+  if not windows:
+    raise RuntimeError(f"no '{STEP_EVENT}' events in the trace: not XLA's CPU runtime?")
+  out = [{"busy_s": 0.0, "ppermute_s": 0.0} for _ in messages]
+  tail = ppermute = 0.0
+  cut = True
+  for lo, hi in windows:
+    events = [ev for ev in timeline if lo <= ev[1] and ev[2] <= hi]
+    ppermute += sum(b - a for k, a, b in events if k == "ppermute") / len(windows)
+    per_group = _group_messages(events, messages)
+    if per_group is None:
+      cut = False
+      continue
+    prev_end = lo
+    for g, pp in enumerate(per_group):
+      if pp:
+        out[g]["busy_s"] += (pp[0][1] - prev_end) / len(windows)
+        out[g]["ppermute_s"] += sum(b - a for _, a, b in pp) / len(windows)
+        prev_end = pp[-1][2]
+    tail += (hi - prev_end) / len(windows)
+  return (out if cut else None), (tail if cut else float("nan")), ppermute
 
 
 def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
@@ -169,12 +208,13 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
       else:
         tasks[d] += (b_in if op.kind == "B" else w)[op.node] if st.schedule.split else bwd[op.node]
       names[d].append(f"{op.kind}{op.node}")
-    transfer = 0.0
-    for shift, dt, _, length in st.message_plan(gi):
+    transfer, plan_msgs = 0.0, st.message_plan(gi)
+    for shift, dt, _, length in plan_msgs:
       nbytes = length * jnp.dtype(tasks_lib.lane_dtype(dt)).itemsize
       transfer += max(cm.transfer_time_s(nbytes, i, (i + shift) % plan.devices)
                       for i in range(plan.devices))
-    out.append({"tasks_s": tasks, "transfer_s": transfer, "tasks": [" ".join(n) for n in names]})
+    out.append({"tasks_s": tasks, "transfer_s": transfer, "messages": len(plan_msgs),
+                "tasks": [" ".join(n) for n in names]})
   return out
 
 
@@ -188,19 +228,31 @@ def driver() -> dict:
     "workdir", "model", "size", "plan", "schedule", "steps", "trace_steps"))]
   localcluster.launch(argv, 2)
   priced = _priced_groups(work, cfg)
-  per_device, steps = [], []
+  per_device, tails, ppermute, steps = [], [], [], []
   for rank in range(2):
     folder = work / f"trace_{FLAGS.model}_{rank}"
-    per_device.append(_measured_groups(_timeline(folder), len(priced), FLAGS.trace_steps))
+    timeline, windows = _timeline(folder)
+    windows = windows[-FLAGS.trace_steps :]
+    groups, tail, pp = _measured_groups(timeline, windows, [g["messages"] for g in priced])
+    per_device.append(groups)
+    tails.append(tail)
+    ppermute.append(pp)
     steps.append(json.loads((folder / "steps.json").read_text()))
-  groups = [{**pr, "busy_s": [d[gi]["busy_s"] for d in per_device],
-             "ppermute_s": [d[gi]["ppermute_s"] for d in per_device]} for gi, pr in enumerate(priced)]
+    steps[-1]["traced_step_s"] = sum(hi - lo for lo, hi in windows) / len(windows)
+  cut = all(d is not None for d in per_device)
+  groups = [{**pr, "busy_s": [d[gi]["busy_s"] for d in per_device] if cut else None,
+             "ppermute_s": [d[gi]["ppermute_s"] for d in per_device] if cut else None}
+            for gi, pr in enumerate(priced)]
   totals = {
     "tasks_s": [sum(g["tasks_s"][d] for g in groups) for d in range(2)],
-    "busy_s": [sum(g["busy_s"][d] for g in groups) for d in range(2)],
-    "ppermute_s": [sum(g["ppermute_s"][d] for g in groups) for d in range(2)],
+    "busy_s": [sum(g["busy_s"][d] for g in groups) for d in range(2)] if cut else None,
+    # Everything outside the messages, the update and all-reduce included.
+    "outside_ppermute_s": [p["traced_step_s"] - pp for p, pp in zip(steps, ppermute)],
+    "ppermute_s": ppermute,
     "transfer_s": sum(g["transfer_s"] for g in groups),
     "lockstep_compute_s": sum(max(g["tasks_s"]) for g in groups),
+    "after_last_message_s": tails,
+    "cut_into_groups": cut,
   }
   return {"model": FLAGS.model, "plan": str(_plan_path(work)), "schedule": FLAGS.schedule, **cfg,
           "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "processes": steps,
@@ -216,12 +268,16 @@ def main(argv):
     return role_trace(pathlib.Path(FLAGS.workdir))
   res = driver()
   t = res["totals"]
-  print(f"{'group':>5} {'tasks_s d0/d1':>17} {'busy_s d0/d1':>17} {'ppermute_s d0/d1':>17} {'transfer_s':>10}")
-  for gi, g in enumerate(res["groups"]):
-    print(f"{gi:>5} {g['tasks_s'][0]:8.4f} {g['tasks_s'][1]:8.4f} {g['busy_s'][0]:8.4f} "
-          f"{g['busy_s'][1]:8.4f} {g['ppermute_s'][0]:8.4f} {g['ppermute_s'][1]:8.4f} {g['transfer_s']:10.4f}")
-  print(f"total tasks {t['tasks_s']}, busy {t['busy_s']}, ppermute {t['ppermute_s']}, "
-        f"steps {[p['step_s'] for p in res['processes']]}, "
+  if t["cut_into_groups"]:
+    print(f"{'group':>5} {'tasks_s d0/d1':>17} {'busy_s d0/d1':>17} {'ppermute_s d0/d1':>17} {'transfer_s':>10}")
+    for gi, g in enumerate(res["groups"]):
+      print(f"{gi:>5} {g['tasks_s'][0]:8.4f} {g['tasks_s'][1]:8.4f} {g['busy_s'][0]:8.4f} "
+            f"{g['busy_s'][1]:8.4f} {g['ppermute_s'][0]:8.4f} {g['ppermute_s'][1]:8.4f} {g['transfer_s']:10.4f}")
+  else:
+    print("the trace could not be cut into the program's groups (XLA merged or dropped a conditional "
+          "and a message); totals only")
+  print(json.dumps({k: v for k, v in t.items()}))
+  print(f"steps {[p['step_s'] for p in res['processes']]}, "
         f"faults/step {[p['minor_faults_per_step'] for p in res['processes']]}")
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(res, indent=1))

@@ -31,26 +31,38 @@ def test_timeline_keeps_outermost_events_of_the_executing_thread(tmp_path, tg):
     _x("ppermute.2", 120, 30), _x("end: ppermute.2", 150, 0),
     _x("conditional.4", 200, 40), _x("ppermute.9", 210, 5),  # nested in a conditional: dropped
     _x("all-reduce.1", 300, 10),
-    _x("conditional.1", 0, 1000, tid=8),  # another thread with fewer conditionals
+    _x("ppermute.1", 0, 1000, tid=8),  # another thread with fewer ppermutes
+    _x(tg.STEP_EVENT, 500, 400, tid=9), _x(tg.STEP_EVENT, 0, 400, tid=9),
   ]
   folder = tmp_path / "trace" / "plugins" / "profile" / "run"
   folder.mkdir(parents=True)
   with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
-  got = tg._timeline(tmp_path / "trace")
+  got, windows = tg._timeline(tmp_path / "trace")
   assert [k for k, _, _ in got] == ["conditional", "ppermute", "conditional", "all-reduce"]
   assert got[1][1:] == pytest.approx((120e-6, 150e-6))
+  assert [t for w in windows for t in w] == pytest.approx([0.0, 400e-6, 500e-6, 900e-6])
 
 
 def test_groups_split_busy_and_ppermute_time_per_step(tg):
-  # Two steps of two groups; seconds. Group 0: busy 1.0 then two ppermutes 0.2 + 0.1; group 1:
-  # busy 0.5 (0.1 before its conditional's start is counted to it), then ppermute 0.3.
-  def step(t):
-    return [("conditional", t, t + 0.8), ("ppermute", t + 1.0, t + 1.2), ("ppermute", t + 1.2, t + 1.3),
-            ("conditional", t + 1.4, t + 1.7), ("ppermute", t + 1.8, t + 2.1)]
-  timeline = step(0.0) + step(3.0)
-  got = tg._measured_groups(timeline, groups=2, steps=2)
-  assert got[0]["busy_s"] == pytest.approx(1.0) and got[0]["ppermute_s"] == pytest.approx(0.3)
-  assert got[1]["busy_s"] == pytest.approx(0.5) and got[1]["ppermute_s"] == pytest.approx(0.3)
-  with pytest.raises(RuntimeError, match="expected 3 x 2"):
-    tg._measured_groups(timeline, groups=3, steps=2)
+  # Two steps of three groups with 2, 0 and 1 messages; seconds. Group 0: busy 1.0 from the
+  # step's start, ppermutes 0.2 + 0.1; group 1 (no message) counts to group 2: busy 0.5, then
+  # ppermute 0.3; then 0.4 to the step's end.
+  def step(t, conds=True):
+    evs = [("conditional", t, t + 0.8), ("ppermute", t + 1.0, t + 1.2), ("ppermute", t + 1.2, t + 1.3),
+           ("conditional", t + 1.35, t + 1.4), ("conditional", t + 1.4, t + 1.6),
+           ("ppermute", t + 1.8, t + 2.1), ("all-reduce", t + 2.2, t + 2.3)]
+    return evs if conds else [e for e in evs if e[0] != "conditional"]
+  windows = [(0.0, 2.5), (3.0, 5.5)]
+  # Cut at the conditionals, and (none traced) at the messages by count: the same figures.
+  for timeline in (step(0.0) + step(3.0), step(0.0, False) + step(3.0, False)):
+    got, tail, pp = tg._measured_groups(timeline, windows, [2, 0, 1])
+    assert got[0]["busy_s"] == pytest.approx(1.0) and got[0]["ppermute_s"] == pytest.approx(0.3)
+    assert got[1] == {"busy_s": 0.0, "ppermute_s": 0.0}
+    assert got[2]["busy_s"] == pytest.approx(0.5) and got[2]["ppermute_s"] == pytest.approx(0.3)
+    assert tail == pytest.approx(0.4) and pp == pytest.approx(0.6)
+  # Neither count matches the program's: no groups, the step's ppermute time still.
+  got, tail, pp = tg._measured_groups(step(0.0, False) + step(3.0, False), windows, [2, 2])
+  assert got is None and pp == pytest.approx(0.6)
+  with pytest.raises(RuntimeError, match="no .* events in the trace"):
+    tg._measured_groups(step(0.0), [], [2, 0, 1])
