@@ -97,6 +97,7 @@ flags.DEFINE_boolean("task_profiles", True, "Time each node's F and B tasks apar
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
+flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
 flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
 flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
 flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
@@ -216,7 +217,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
-  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work),
+  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
                                branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
   kinds = {"schedule_kinds": (FLAGS.schedule,)}  # plan the kind the program runs
@@ -259,7 +260,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
     })
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
-  full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work)).step_time_s(g_full)
+  full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
+                                        warmup_s=FLAGS.profile_warmup_s).step_time_s(g_full)
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
   _, p_plain, s_plain, pure_plain = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
   step = jax.jit(bench_baselines.plain_step(pure_plain, opt), donate_argnums=0)
@@ -350,9 +352,8 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--microbatches={FLAGS.microbatches}", f"--planner={FLAGS.planner}", f"--choose_lockstep={FLAGS.choose_lockstep}", f"--time_limit={FLAGS.time_limit}",
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
-    f"--task_profiles={FLAGS.task_profiles}",
-    f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}",
-    f"--group_grad_bytes={FLAGS.group_grad_bytes}",
+    f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
+    f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]
@@ -362,8 +363,7 @@ def driver() -> list[dict]:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   from jaxhybrid.program import localcluster
 
-  work = pathlib.Path(FLAGS.workdir)
-  work.mkdir(parents=True, exist_ok=True)
+  (work := pathlib.Path(FLAGS.workdir)).mkdir(parents=True, exist_ok=True)
   if not FLAGS.reuse_profiles and (work / "profiles").exists():
     # Node profiles of an earlier run were measured under that run's load; re-measure.
     shutil.rmtree(work / "profiles")

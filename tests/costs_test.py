@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,28 @@ def test_profiled_bad_arguments(tmp_path):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, repeats=0)
   with pytest.raises(ValueError, match="branch_remat='some'"):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, branch_remat="some")
+  with pytest.raises(ValueError, match="warmup_s=-1"):
+    costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, warmup_s=-1)
+
+
+def test_timing_warms_up_for_warmup_s_after_the_first_call():
+  from jaxhybrid.costs import timing
+
+  ends = []  # (start, end) of every call
+
+  def fn():
+    t0 = time.perf_counter()
+    time.sleep(0.002)
+    ends.append((t0, time.perf_counter()))
+    return jnp.zeros(())
+
+  timing.median_time_s(fn, warmup=2, repeats=3)
+  assert len(ends) == 5  # no warmup_s: exactly warmup + repeats calls
+  ends.clear()
+  timing.median_time_s(fn, warmup=2, repeats=3, warmup_s=0.05)
+  first_timed = ends[-3][0]
+  # The untimed calls after the first (which may compile) took at least warmup_s.
+  assert len(ends) >= 2 + 3 and first_timed - ends[0][1] >= 0.05
 
 
 def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):

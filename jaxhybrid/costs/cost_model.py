@@ -239,6 +239,7 @@ class ProfiledCostModel(CostModel):
     cache_dir: str | os.PathLike | None = None,
     repeats: int = 5,
     warmup: int = 2,
+    warmup_s: float = 0.0,
     link: Interconnect | None = None,
     subtract_dispatch: bool = True,
     branch_remat: str = "none",
@@ -252,6 +253,10 @@ class ProfiledCostModel(CostModel):
         `~/.cache/jaxhybrid/profiles`.
       repeats: timed runs per node; the median is kept.
       warmup: untimed runs first (the first one compiles).
+      warmup_s: keep making untimed runs until they have taken this long (assumption, per timed
+        function; 0: `warmup` runs only). On this project's one-core CPU VM a 65 ms node's first
+        timed runs after 2 warm-up runs were 10-50 % above its steady time for about a second
+        (five processes: first median-of-5 70-99 ms, then 55-68 ms); bench_mp uses 1 s.
       link: interconnect for transfers, e.g. `calibrate.calibrate_link(...)` or a Hardware;
         default: the measured `hardware.get('cpu')` on CPU, else a `Link` must be given.
       subtract_dispatch: subtract the time of a jitted no-op from each node time (assumption:
@@ -268,12 +273,13 @@ class ProfiledCostModel(CostModel):
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
     """
-    if repeats < 1 or warmup < 1:
+    if repeats < 1 or warmup < 1 or warmup_s < 0:
       raise ValueError(
-        f"repeats={repeats}, warmup={warmup}: both must be >= 1 (warm-up compiles the node)."
+        f"repeats={repeats}, warmup={warmup}, warmup_s={warmup_s}: repeats and warmup must be "
+        ">= 1 (warm-up compiles the node), warmup_s >= 0."
       )
     self.graph = graph
-    self.repeats, self.warmup = repeats, warmup
+    self.repeats, self.warmup, self.warmup_s = repeats, warmup, float(warmup_s)
     self.subtract_dispatch = subtract_dispatch
     remat.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
@@ -337,17 +343,19 @@ class ProfiledCostModel(CostModel):
     if entry is None:
       policy = remat.remat_policy(self.branch_remat)
       entry = {
-        "name": node.name, "repeats": self.repeats, "jax": jax.__version__,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "name": node.name, "repeats": self.repeats, "warmup_s": self.warmup_s,
+        "jax": jax.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
       }
       if self.tasks:
         f, b = time_node_tasks(
-          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy
+          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy,
+          warmup_s=self.warmup_s,
         )
         entry.update(raw_s=f + b, forward_raw_s=f, backward_raw_s=b)
       else:
         entry["raw_s"] = time_node(
-          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy
+          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy,
+          warmup_s=self.warmup_s,
         )
       self.measured += 1
       self._store(fp, entry)
@@ -371,8 +379,9 @@ class ProfiledCostModel(CostModel):
     entry = self._load().get(fp)
     if entry is None:
       b, w = time_node_split(self.graph, node, warmup=self.warmup, repeats=self.repeats,
-                             policy=remat.remat_policy(self.branch_remat))
-      entry = {"name": node.name, "repeats": self.repeats, "jax": jax.__version__,
+                             policy=remat.remat_policy(self.branch_remat), warmup_s=self.warmup_s)
+      entry = {"name": node.name, "repeats": self.repeats, "warmup_s": self.warmup_s,
+               "jax": jax.__version__,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "input_grad_raw_s": b, "weight_grad_raw_s": w}
       self.measured += 1

@@ -41,10 +41,15 @@ def _is_float(aval: Any) -> bool:
   )
 
 
-def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int) -> float:
-  """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls."""
-  for _ in range(warmup):
+def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int, warmup_s: float = 0.0) -> float:
+  """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls, and more
+  untimed calls until those after the first (which may compile) have taken `warmup_s` seconds."""
+  calls, start = 0, 0.0
+  while calls < warmup or time.perf_counter() - start < warmup_s:
     jax.block_until_ready(fn())
+    calls += 1
+    if calls == 1:
+      start = time.perf_counter()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -105,7 +110,7 @@ def _param_positions(graph: graph_lib.OpGraph, node: graph_lib.Node) -> list[boo
 
 def time_node(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
+  policy: Any = None, warmup_s: float = 0.0,
 ) -> float:
   """Compiles and times one node's forward + backward on the default device, seconds.
 
@@ -122,12 +127,12 @@ def time_node(
     return outs if vjp is None else (outs, vjp(cts))
 
   step = jax.jit(fwd_bwd)
-  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats)
+  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
 
 
 def time_node_tasks(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
+  policy: Any = None, warmup_s: float = 0.0,
 ) -> tuple[float, float]:
   """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
 
@@ -138,12 +143,12 @@ def time_node_tasks(
   """
   forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
   fwd = jax.jit(forward)
-  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats)
+  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
   _, vjp = fwd(diff_args, rest)
   if vjp is None:
     return t_f, 0.0
   bwd = jax.jit(lambda vjp, cts: vjp(cts))
-  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats)
+  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
 
 
 def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
@@ -155,7 +160,7 @@ def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
 
 def time_node_split(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None,
+  policy: Any = None, warmup_s: float = 0.0,
 ) -> tuple[float, float]:
   """Times `node`'s backward as a split (zero-bubble) schedule runs it: (B, W) seconds.
 
@@ -176,5 +181,5 @@ def time_node_split(
     return jax.jit(lambda vjp, cts: [g for g, p in zip(vjp(cts), is_param) if p == params])
 
   b, w = keep(False), keep(True)
-  return (median_time_s(lambda: b(vjp, cts), warmup=warmup, repeats=repeats),
-          median_time_s(lambda: w(vjp, cts), warmup=warmup, repeats=repeats))
+  return (median_time_s(lambda: b(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s),
+          median_time_s(lambda: w(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s))
