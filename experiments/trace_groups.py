@@ -6,14 +6,15 @@ r"""Where a 2-way plan's step goes: each lock-step group, measured on one-core d
 
 Runs the plan as bench_mp's multi role does (mesh 1x2, two processes pinned to one core each,
 jaxhybrid.program.localcluster), traces --trace_steps steps with `jax.profiler` (perfetto JSON)
-in each process and cuts each device's timeline at the program's messages (each group's
-ppermutes, in group order; this assumes XLA keeps that order, and each traced step must hold
-exactly the program's number of ppermutes). Per group and device: `busy_s`, the time from the
+in each process and cuts each step at the group conditionals (one `lax.switch` per group) when
+the step holds one per group, else at the messages (each group's ppermutes, in group order) when
+it holds the program's number, else reports totals only (XLA may fold a small conditional into
+selects, or drop or combine a message). Per group and device: `busy_s`, the time from the
 previous group's last message to this group's first (the branch, packing, unpacking), and
 `ppermute_s`, the time inside this group's ppermutes (the transfer and the wait for the other
 device); `after_last_message_s`: the rest of the step (the last groups' tasks, the optimizer
 update, the all-reduce). Beside them, the lock-step model's price of the same group
-(`jaxhybrid.program.lockstep`, from the workdir's node profiles and link): each device's tasks
+(`jaxhybrid.program.lockstep.group_prices`, from the workdir's node profiles and link): each device's tasks
 (`tasks_s`) and the group's messages (`transfer_s`). Also each process's minor page faults per
 step (getrusage). Reads bench_mp's workdir: single_{model}.json (batch, micro-batches,
 branch_remat), link.json, profiles/. The trace event names are those of XLA's CPU runtime;
@@ -170,14 +171,12 @@ def _measured_groups(timeline, windows, messages: list[int]) -> tuple[list[dict]
 
 
 def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
-  import jax.numpy as jnp
   from flax import nnx
 
   from jaxhybrid import api, costs, models, planner
   from jaxhybrid import graph as graph_lib
   from jaxhybrid.program import executor, lockstep
   from jaxhybrid.program import structure as structure_lib
-  from jaxhybrid.program import tasks as tasks_lib
 
   spec = models.get(FLAGS.model, FLAGS.size)
   b, k = cfg["batch"], cfg["k"]
@@ -191,30 +190,18 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
     link=costs.Link(alpha_s=link["alpha_s"], bandwidth_bytes_s=link["bandwidth"], source="bench_mp"),
   )
   plan = planner.Plan.load(_plan_path(work))
-  fwd, bwd = lockstep.task_times(g, cm)
+  fwd, _ = lockstep.task_times(g, cm)
   _, st, _ = executor.structure_for(
     g, plan.assignment, plan.devices, plan.microbatches, FLAGS.schedule,
     order=structure_lib.plan_order(plan.schedule) or None, forward_s=fwd, branch_remat=cfg["remat"],
   )
-  if st.schedule.split:
-    b_in, w = lockstep.split_task_times(g, cm)
   out = []
-  for gi, lay in enumerate(st.groups):
-    tasks = [0.0] * plan.devices
+  for lay, price in zip(st.groups, lockstep.group_prices(g, st, cm)):
     names = [[] for _ in range(plan.devices)]
     for d, op in lay.tasks:
-      if op.kind == "F":
-        tasks[d] += fwd[op.node]
-      else:
-        tasks[d] += (b_in if op.kind == "B" else w)[op.node] if st.schedule.split else bwd[op.node]
       names[d].append(f"{op.kind}{op.node}")
-    transfer, plan_msgs = 0.0, st.message_plan(gi)
-    for shift, dt, _, length in plan_msgs:
-      nbytes = length * jnp.dtype(tasks_lib.lane_dtype(dt)).itemsize
-      transfer += max(cm.transfer_time_s(nbytes, i, (i + shift) % plan.devices)
-                      for i in range(plan.devices))
-    out.append({"tasks_s": tasks, "transfer_s": transfer, "messages": len(plan_msgs),
-                "tasks": [" ".join(n) for n in names]})
+    out.append({"tasks_s": list(price.tasks_s), "transfer_s": sum(price.messages_s),
+                "messages": len(price.messages_s), "tasks": [" ".join(n) for n in names]})
   return out
 
 

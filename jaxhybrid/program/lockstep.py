@@ -173,6 +173,47 @@ def split_task_times(graph: graph_lib.OpGraph, costs: costs_lib.CostModel) -> tu
   return [INPUT_GRAD_SHARE * b for b in bwd], [(1 - INPUT_GRAD_SHARE) * b for b in bwd]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupPrice:
+  """One lock-step group's price: each device's tasks and each message (seconds)."""
+
+  tasks_s: tuple[float, ...]  # per model-axis device (0.0: no task in this group)
+  messages_s: tuple[float, ...]  # per message, the slowest sender's time
+
+
+def group_prices(
+  graph: graph_lib.OpGraph, structure: tasks_lib.Structure, costs: costs_lib.CostModel
+) -> list[GroupPrice]:
+  """The price of each of a program's groups (`program_step_s` sums them; experiments/
+  trace_groups.py sets them beside a traced step)."""
+  devices = structure.devices
+  split = structure.schedule.split
+  fwd, bwd = task_times(graph, costs)
+  if split:
+    b_in, w = split_task_times(graph, costs)
+
+  def t(op: sched_lib.Op) -> float:
+    if op.kind == "F":
+      return fwd[op.node]
+    if not split:
+      return bwd[op.node]
+    return b_in[op.node] if op.kind == "B" else w[op.node]
+
+  out = []
+  for g, lay in enumerate(structure.groups):
+    per_device = [0.0] * devices
+    for d, op in lay.tasks:
+      per_device[d] += t(op)
+    messages = []
+    for shift, dt, _, length in structure.message_plan(g):
+      nbytes = length * jax.numpy.dtype(tasks_lib.lane_dtype(dt)).itemsize
+      messages.append(max(
+        costs.transfer_time_s(nbytes, src, (src + shift) % devices) for src in range(devices)
+      ))
+    out.append(GroupPrice(tasks_s=tuple(per_device), messages_s=tuple(messages)))
+  return out
+
+
 def program_step_s(
   graph: graph_lib.OpGraph,
   structure: tasks_lib.Structure,
@@ -194,36 +235,18 @@ def program_step_s(
   """
   devices = structure.devices
   k = structure.schedule.microbatches
-  split = structure.schedule.split
-  fwd, bwd = task_times(graph, costs)
-  if split:
-    b_in, w = split_task_times(graph, costs)
-
-  def t(op: sched_lib.Op) -> float:
-    if op.kind == "F":
-      return fwd[op.node]
-    if not split:
-      return bwd[op.node]
-    return b_in[op.node] if op.kind == "B" else w[op.node]
-
   compute = transfer = fill_s = 0.0
   count = 0
   fill_rate = pass_costs.fill_s_per_byte if pass_costs is not None and devices > 1 else 0.0
-  for g, lay in enumerate(structure.groups):
-    per_device: dict[int, float] = {}
-    for d, op in lay.tasks:
-      per_device[d] = per_device.get(d, 0.0) + t(op)
-    busiest = max(per_device.values(), default=0.0)
+  for g, price in enumerate(group_prices(graph, structure, costs)):
+    busiest = max(price.tasks_s, default=0.0)
     compute += busiest
     if fill_rate:
       # Each device builds its outputs after its tasks; the group waits for the slowest.
       fills = structure.fill_bytes_per_device(g)
-      fill_s += max(per_device.get(d, 0.0) + fill_rate * b for d, b in enumerate(fills)) - busiest
-    for shift, dt, _, length in structure.message_plan(g):
-      nbytes = length * jax.numpy.dtype(tasks_lib.lane_dtype(dt)).itemsize
-      transfer += max(
-        costs.transfer_time_s(nbytes, src, (src + shift) % devices) for src in range(devices)
-      )
+      fill_s += max(price.tasks_s[d] + fill_rate * b for d, b in enumerate(fills)) - busiest
+    for m in price.messages_s:  # summed in the same order as before the per-group prices
+      transfer += m
       count += 1
   param_s = 0.0
   if pass_costs is not None:
