@@ -43,7 +43,12 @@ step_s_1dev_paired: plain jit on one device timed by the two-process job just be
 candidate plans (mean; one process per core), in the same minutes as step_s_plan;
 measured_speedup_paired = step_s_1dev_paired / step_s_plan, and prediction_error_program_paired
 (_mean / _max), predicted_1dev_error_paired against it (step_s_1dev is from minutes earlier; here a
-step drifts 15-25 % between runs). With --compare_unpacked: step_s_plan_unpacked (every transfer
+step drifts 15-25 % between runs). The same speedups against a second one-device reference,
+predicted_1dev_whole_s (the whole forward + backward profiled as one compiled function, which sees
+what XLA fuses across nodes in a plain step; node sums miss it, the chain's by 25-38 %):
+speedup_prediction_error (lock-step program price), plan_speedup_prediction_error (the plan's own
+price), each _mean / _max and _paired, predicted_1dev_whole_error; definitions in
+bench_mp_errors.py. With --compare_unpacked: step_s_plan_unpacked (every transfer
 its own ppermute) and packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run. Step
 times are medians over --steps timed steps after --warmup steps.
 """
@@ -66,6 +71,7 @@ if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver
   localcluster.worker_setup()
 
 import bench_baselines  # experiments/ (the script's folder)
+import bench_mp_errors
 import chain_model
 from absl import app, flags, logging
 
@@ -260,8 +266,10 @@ def role_single(work: pathlib.Path, name: str) -> None:
     })
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
-  full_1dev_s = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
-                                        warmup_s=FLAGS.profile_warmup_s).step_time_s(g_full)
+  cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
+                                    warmup_s=FLAGS.profile_warmup_s)
+  full_1dev_s = cm_full.step_time_s(g_full)
+  whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
   _, p_plain, s_plain, pure_plain = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
   step = jax.jit(bench_baselines.plain_step(pure_plain, opt), donate_argnums=0)
@@ -271,7 +279,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     c["predicted_speedup"] = full_1dev_s / c["predicted_step_s"]
     c["predicted_program_speedup"] = (full_1dev_s + update_1dev_s) / c["predicted_program_step_s"]
   (work / f"single_{name}.json").write_text(json.dumps({
-    "step_s_1dev": t, "predicted_1dev_s": full_1dev_s,
+    "step_s_1dev": t, "predicted_1dev_s": full_1dev_s, "predicted_1dev_whole_s": whole_1dev_s,
     "predicted_1dev_update_s": update_1dev_s, "update_s_per_byte": pc.update_s_per_byte,
     "add_s_per_byte": pc.add_s_per_byte, "fill_s_per_byte": pc.fill_s_per_byte,
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
@@ -392,56 +400,8 @@ def driver() -> list[dict]:
       continue
     single = json.loads((work / f"single_{name}.json").read_text())
     multi = json.loads((work / f"multi_{name}.json").read_text())
-    meas = single["step_s_1dev"] / multi["step_s_plan"]
-    full_1dev_s = single["predicted_1dev_s"] + single["predicted_1dev_update_s"]
-    for c, step_s in zip(single["candidates"], multi["candidate_step_s"]):
-      c["step_s_plan"] = step_s
-      c["prediction_error_program"] = _err(c["predicted_program_speedup"], single["step_s_1dev"] / step_s)
-      # The lock-step model's own error: its predicted program step against the measured one
-      # (the speedup error above also carries the error of predicting plain jit on one device).
-      c["step_prediction_error"] = _err(c["predicted_program_step_s"], step_s)
-      c["prediction_error_program_paired"] = _err(
-        c["predicted_program_speedup"], multi["step_s_1dev_paired"] / step_s)
-      # The plan's own lock-step price as a speedup over the full-batch one-device prediction
-      # (Plan.single_device_s is the k micro-batches one after another), against measured.
-      c["plan_lockstep_prediction_error"] = _err(
-        full_1dev_s / c["plan_lockstep_step_s"], single["step_s_1dev"] / step_s
-      ) if c.get("plan_lockstep_step_s") else None
-    run = single["candidates"][multi["chosen_candidate"]]
-    pred = run["predicted_speedup"]
-    cases.append({
-      "model": name, "size": FLAGS.size, **single, **run, **multi,
-      "measured_speedup": meas,
-      "measured_speedup_paired": multi["step_s_1dev_paired"] / multi["step_s_plan"],
-      "prediction_error": abs(pred - meas) / meas,
-      "prediction_error_program": abs(run["predicted_program_speedup"] - meas) / meas,
-      "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
-      "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
-    })
-    errs = [c["prediction_error_program"] for c in single["candidates"]]
-    step_errs = [c["step_prediction_error"] for c in single["candidates"]]
-    plan_errs = [c["plan_lockstep_prediction_error"] for c in single["candidates"]]
-    paired = [c["prediction_error_program_paired"] for c in single["candidates"]]
-    first = next(c for c in single["candidates"] if c["lockstep_rank"] == 0)
-    cases[-1].update(
-      prediction_error_program_mean=sum(errs) / len(errs), prediction_error_program_max=max(errs),
-      step_prediction_error_mean=sum(step_errs) / len(step_errs),
-      prediction_error_program_paired_mean=sum(paired) / len(paired),
-      prediction_error_program_paired_max=max(paired),
-      predicted_1dev_error_paired=(full_1dev_s - multi["step_s_1dev_paired"]) / multi["step_s_1dev_paired"],
-      step_prediction_error_max=max(step_errs),
-      predicted_1dev_error=(full_1dev_s - single["step_s_1dev"]) / single["step_s_1dev"],
-      **({} if None in plan_errs else {
-        "plan_lockstep_prediction_error_mean": sum(plan_errs) / len(plan_errs),
-        "plan_lockstep_prediction_error_max": max(plan_errs)}),
-      first_pick_method=first["plan_method"],
-      first_pick_measured_speedup=single["step_s_1dev"] / first["step_s_plan"],
-      first_pick_prediction_error=first["prediction_error_program"],
-      ratio_vs_dp_bucketed=multi["step_s_dp_bucketed"] / multi["step_s_hybrid_2x1"],
-      schedule=FLAGS.schedule,
-    )
-    if "step_s_plan_unpacked" in multi:
-      cases[-1]["packing_speedup"] = multi["step_s_plan_unpacked"] / multi["step_s_plan"]
+    cases.append({"model": name, "size": FLAGS.size, **bench_mp_errors.summarise(single, multi),
+                  "schedule": FLAGS.schedule})
     _write(cases)
   return cases
 
@@ -449,10 +409,6 @@ def driver() -> list[dict]:
 # A model is not started with less than this much of the budget left (its jobs would be
 # stopped before they time anything: profiling and planning alone take a minute or more).
 MIN_JOB_S = 120.0
-
-
-def _err(predicted: float, measured: float) -> float:
-  return abs(predicted - measured) / measured
 
 
 def _job_s(t_start: float) -> float:

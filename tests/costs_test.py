@@ -203,6 +203,61 @@ def test_profiled_times_are_cached_on_disk(tmp_path, monkeypatch):
   assert second.step_time_s(g2) == pytest.approx(sum(second.profile_all()))
 
 
+def test_whole_step_is_timed_once_and_cached_beside_the_nodes(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  seen = []
+  real = costs.time_graph
+
+  def recording(graph_, **kwargs):
+    seen.append(graph_)
+    return real(graph_, **kwargs)
+
+  monkeypatch.setattr(cost_model, "time_graph", recording)
+  first = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=2, warmup=1, link=link, subtract_dispatch=False)
+  whole = first.whole_step_time_s()
+  assert seen == [g] and first.measured == 1 and whole > 0
+  assert first.whole_step_time_s(g) == whole and len(seen) == 1  # in memory
+  first.profile_all()
+  nodes = json.loads(first.cache_path.read_text())["nodes"]
+  assert len(nodes) == len(g.nodes) + 1  # the nodes and the whole step, apart
+  assert [e["raw_s"] for e in nodes.values() if e["name"] == "<whole step>"] == [whole]
+
+  def fail(*args, **kwargs):
+    raise AssertionError("a cached whole step was timed again")
+
+  monkeypatch.setattr(cost_model, "time_graph", fail)
+  second = costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, repeats=2, warmup=1, link=link,
+                                   subtract_dispatch=False)
+  assert second.whole_step_time_s() == whole and second.measured == 0
+
+
+def test_whole_step_timing_differentiates_params_only(monkeypatch):
+  """time_graph differentiates the parameters, not the batch or state, of any traced loss."""
+  class Counted(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(50, 8, rngs=rngs)
+      self.seen = nnx.BatchStat(jnp.zeros((8,), F32))  # float state: no gradient either
+
+    def __call__(self, tokens):
+      h = self.embed(tokens)
+      self.seen[...] = self.seen[...] + jnp.mean(h, axis=(0, 1))
+      return h * self.seen[...]
+
+  model = nnx.eval_shape(lambda: Counted(nnx.Rngs(0)))
+  g = graph.trace(model, lambda m, b: jnp.mean(m(b) ** 2), jax.ShapeDtypeStruct((6, 3), jnp.int32), depth=1)
+  grads = []
+  real_vjp = jax.vjp
+
+  def vjp(f, *primals, **kw):
+    grads.append([p.shape for p in primals])
+    return real_vjp(f, *primals, **kw)
+
+  monkeypatch.setattr(jax, "vjp", vjp)
+  assert costs.time_graph(g, warmup=1, repeats=1) > 0
+  assert grads == [[(50, 8)]]  # the embedding table only: not the int batch, not the float state
+
+
 def test_profiled_handles_int_inputs_and_scan(tmp_path):
   class Tagger(nnx.Module):
     def __init__(self, rngs):

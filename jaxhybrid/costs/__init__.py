@@ -14,6 +14,7 @@ from jaxhybrid.costs.cost_model import (
   dispatch_time_s,
   kernel_count,
   median_time_s,
+  time_graph,
   time_node,
   time_node_tasks,
   time_table,
@@ -29,5 +30,5 @@ from jaxhybrid.costs.links import (
 __all__ = [
   "AnalyticCostModel", "CostModel", "Interconnect", "Link", "ProfiledCostModel",
   "dispatch_time_s", "kernel_count", "median_time_s", "ring_allreduce_time_s", "ring_bottleneck",
-  "time_node", "time_node_tasks", "time_table", "transfer_time_s",
+  "time_graph", "time_node", "time_node_tasks", "time_table", "transfer_time_s",
 ]

@@ -1,0 +1,88 @@
+"""bench_mp's figures for one model from its two jobs' JSON: measured speedups and prediction errors.
+
+`summarise(single, multi)` takes what the `single` role (profiles, plans, the one-device step) and
+the `multi` role (the candidate plans, the baselines) wrote and returns the model's row; it adds
+per-candidate errors to `single["candidates"]` in place. Errors are |predicted - measured| /
+measured.
+
+Two one-device references for predicted speedups, both profiled in the single role at the full
+per-worker batch, plus the optimizer update priced per byte (predicted_1dev_update_s):
+- predicted_1dev_s: the node times summed (what the planner's cost model adds up);
+- predicted_1dev_whole_s: the whole forward + backward timed as one compiled function
+  (`ProfiledCostModel.whole_step_time_s`), which includes what XLA fuses across nodes in a plain
+  one-device step (the 8-layer chain: node sum 25-38 % above the plain step, whole within noise).
+Fields with the node-sum reference keep their names (prediction_error_program, ...
+plan_lockstep_prediction_error); those with the whole-step reference are speedup_prediction_error
+and plan_speedup_prediction_error (each with _mean / _max over every timed candidate).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def err(predicted: float, measured: float) -> float:
+  return abs(predicted - measured) / measured
+
+
+def _mean_max(rows: list[dict], key: str) -> dict[str, float]:
+  vals = [r[key] for r in rows]
+  if not vals or None in vals:
+    return {}
+  return {f"{key}_mean": sum(vals) / len(vals), f"{key}_max": max(vals)}
+
+
+def summarise(single: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
+  """The model's figures (see bench_mp's docstring); updates single['candidates'] in place."""
+  t1, t1_paired = single["step_s_1dev"], multi["step_s_1dev_paired"]
+  update_s = single["predicted_1dev_update_s"]
+  full_1dev_s = single["predicted_1dev_s"] + update_s
+  whole = single.get("predicted_1dev_whole_s")  # absent in runs before it existed
+  whole_1dev_s = None if whole is None else whole + update_s
+  cands = single["candidates"]
+  for c, step_s in zip(cands, multi["candidate_step_s"]):
+    c["step_s_plan"] = step_s
+    c["prediction_error_program"] = err(c["predicted_program_speedup"], t1 / step_s)
+    # The lock-step model's own error: its predicted program step against the measured one
+    # (the speedup errors also carry the error of predicting plain jit on one device).
+    c["step_prediction_error"] = err(c["predicted_program_step_s"], step_s)
+    c["prediction_error_program_paired"] = err(c["predicted_program_speedup"], t1_paired / step_s)
+    # The plan's own lock-step price as a speedup over the full-batch one-device prediction
+    # (Plan.single_device_s is the k micro-batches one after another), against measured.
+    lock = c.get("plan_lockstep_step_s")
+    c["plan_lockstep_prediction_error"] = err(full_1dev_s / lock, t1 / step_s) if lock else None
+    if whole_1dev_s is not None:
+      c["predicted_program_speedup_whole"] = whole_1dev_s / c["predicted_program_step_s"]
+      c["speedup_prediction_error"] = err(c["predicted_program_speedup_whole"], t1 / step_s)
+      c["speedup_prediction_error_paired"] = err(c["predicted_program_speedup_whole"], t1_paired / step_s)
+      c["plan_speedup_prediction_error"] = err(whole_1dev_s / lock, t1 / step_s) if lock else None
+  run = cands[multi["chosen_candidate"]]
+  meas = t1 / multi["step_s_plan"]
+  first = next(c for c in cands if c["lockstep_rank"] == 0)
+  row = {
+    **single, **run, **multi,
+    "measured_speedup": meas,
+    "measured_speedup_paired": t1_paired / multi["step_s_plan"],
+    "prediction_error": err(run["predicted_speedup"], meas),
+    "prediction_error_program": err(run["predicted_program_speedup"], meas),
+    "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
+    "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
+    "predicted_1dev_error_paired": (full_1dev_s - t1_paired) / t1_paired,
+    "predicted_1dev_error": (full_1dev_s - t1) / t1,
+    "first_pick_method": first["plan_method"],
+    "first_pick_measured_speedup": t1 / first["step_s_plan"],
+    "first_pick_prediction_error": first["prediction_error_program"],
+    "ratio_vs_dp_bucketed": multi["step_s_dp_bucketed"] / multi["step_s_hybrid_2x1"],
+  }
+  for key in ("prediction_error_program", "step_prediction_error", "prediction_error_program_paired",
+              "plan_lockstep_prediction_error"):
+    row.update(_mean_max(cands, key))
+  if whole_1dev_s is not None:
+    row["predicted_1dev_whole_error"] = (whole_1dev_s - t1) / t1
+    row["predicted_1dev_whole_error_paired"] = (whole_1dev_s - t1_paired) / t1_paired
+    row["first_pick_speedup_prediction_error"] = first["speedup_prediction_error"]
+    for key in ("speedup_prediction_error", "speedup_prediction_error_paired", "plan_speedup_prediction_error"):
+      row.update(_mean_max(cands, key))
+  if "step_s_plan_unpacked" in multi:
+    row["packing_speedup"] = multi["step_s_plan_unpacked"] / multi["step_s_plan"]
+  return row
