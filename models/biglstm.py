@@ -67,10 +67,19 @@ class BigLSTMConfig:
   dtype: str = "float32"
   # Parameter storage dtype name.
   param_dtype: str = "float32"
+  # Consecutive time chunks each LSTM layer runs as its own graph node (1 = the whole unroll in
+  # one node). The math is unchanged (the state is carried from chunk to chunk); with chunks a
+  # planner can run layer l on chunk c while layer l + 1 runs chunk c - 1 (PAPER.md's wavefront)
+  # without splitting the batch into micro-batches. Must divide `unroll`.
+  time_chunks: int = 1
 
   def __post_init__(self):
     if self.num_layers < 1 or self.unroll < 1:
       raise ValueError(f"num_layers={self.num_layers} and unroll={self.unroll} must be >= 1.")
+    if self.time_chunks < 1 or self.unroll % self.time_chunks:
+      raise ValueError(
+        f"time_chunks={self.time_chunks} must be >= 1 and divide unroll={self.unroll}: pick a divisor."
+      )
     if not 0 <= self.num_sampled < self.vocab_size:
       raise ValueError(
         f"num_sampled={self.num_sampled} must be in [0, vocab_size={self.vocab_size})."
@@ -191,9 +200,12 @@ class BigLSTM(nnx.Module):
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     x = self.embed(inputs)
+    chunks = self.config.time_chunks
+    if chunks > 1:  # layers pass lists of time chunks (see BigLSTMConfig.time_chunks)
+      x = jnp.split(x, chunks, axis=1)
     for i in range(self.config.num_layers):
       x = getattr(self, f"lstm_{i}")(x)
-    return x
+    return jnp.concatenate(x, axis=1) if chunks > 1 else x
 
   def logits(self, inputs: jax.Array) -> jax.Array:
     """Full-vocabulary logits [batch, time, vocab] (evaluation / generation)."""

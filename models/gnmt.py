@@ -69,8 +69,21 @@ class GNMTConfig:
   dtype: str = "float32"
   # Parameter storage dtype name.
   param_dtype: str = "float32"
+  # Consecutive time chunks each LSTM layer (and the attention's queries) runs as its own graph
+  # node (1 = whole sequences). The math is unchanged (state carried from chunk to chunk); with
+  # chunks a planner can overlap consecutive layers over time without micro-batches (PAPER.md's
+  # wavefront). The bidirectional first encoder layer's backward direction ends at chunk 0, so
+  # the encoder's layer 1 waits for it; the decoder needs the whole encoder (attention). Must
+  # divide both sequence lengths.
+  time_chunks: int = 1
 
   def __post_init__(self):
+    if (self.time_chunks < 1 or self.max_source_length % self.time_chunks
+        or self.max_target_length % self.time_chunks):
+      raise ValueError(
+        f"time_chunks={self.time_chunks} must be >= 1 and divide max_source_length="
+        f"{self.max_source_length} and max_target_length={self.max_target_length}: pick a divisor."
+      )
     if self.num_encoder_layers < 2 or self.num_decoder_layers < 2:
       raise ValueError(
         f"GNMT needs >= 2 encoder and decoder layers, got {self.num_encoder_layers}+"
@@ -118,20 +131,34 @@ class BahdanauAttention(nnx.Module):
     self.g = nnx.Param(jnp.full((), num_units**-0.5, param_dtype))
     self.b = nnx.Param(jnp.zeros((num_units,), param_dtype))
 
-  def __call__(self, queries: jax.Array, keys: jax.Array, key_mask: jax.Array) -> jax.Array:
+  def __call__(self, queries, keys: jax.Array, key_mask: jax.Array):
     """Context vectors for all query steps.
 
     Args:
-      queries: [batch, t_q, query_size] (outputs of the first decoder layer).
+      queries: [batch, t_q, query_size] (outputs of the first decoder layer), or a list of time
+        chunks of them: then the keys are projected once (scope `keys`) and each chunk's
+        contexts computed in its own scope `t<c>` (its own graph node).
       keys: [batch, t_k, key_size] (encoder outputs; also the values).
       key_mask: [batch, t_k], 1 for real source tokens.
 
     Returns:
-      [batch, t_q, key_size] contexts.
+      [batch, t_q, key_size] contexts (a list of chunks for chunked queries).
     """
     dt = self.dtype
+    if not isinstance(queries, (list, tuple)):
+      return self._contexts(queries, keys.astype(dt) @ self.w_key[...].astype(dt), keys, key_mask)
+    with jax.named_scope("keys"):
+      k = keys.astype(dt) @ self.w_key[...].astype(dt)
+    out = []
+    for c, q in enumerate(queries):
+      with jax.named_scope(f"t{c}"):
+        out.append(self._contexts(q, k, keys, key_mask))
+    return out
+
+  def _contexts(self, queries: jax.Array, k: jax.Array, keys: jax.Array, key_mask: jax.Array) -> jax.Array:
+    """Contexts of `queries` given the projected keys `k` ([batch, t_k, units])."""
+    dt = self.dtype
     q = queries.astype(dt) @ self.w_query[...].astype(dt)  # [batch, t_q, units]
-    k = keys.astype(dt) @ self.w_key[...].astype(dt)  # [batch, t_k, units]
     v = self.v[...].astype(dt)
     v = self.g[...].astype(dt) * v / jnp.linalg.norm(v)
     hidden = jnp.tanh(q[:, :, None, :] + k[:, None, :, :] + self.b[...].astype(dt))
@@ -139,6 +166,18 @@ class BahdanauAttention(nnx.Module):
     scores = jnp.where(key_mask[:, None, :] > 0, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
     return weights @ keys.astype(dt)  # [batch, t_q, key_size]
+
+
+def _add(a, b):
+  """a + b, chunk by chunk for lists of time chunks."""
+  return [x + y for x, y in zip(a, b)] if isinstance(a, list) else a + b
+
+
+def _concat_features(a, b):
+  """[a, b] along the feature axis, chunk by chunk for lists of time chunks."""
+  if isinstance(a, list):
+    return [jnp.concatenate([x, y], axis=-1) for x, y in zip(a, b)]
+  return jnp.concatenate([a, b], axis=-1)
 
 
 class GNMT(nnx.Module):
@@ -172,25 +211,33 @@ class GNMT(nnx.Module):
       setattr(self, f"decoder_{i}", LSTM(2 * h, h, **lstm_kw))
     self.classifier = nnx.Linear(h, v, kernel_init=init, bias_init=init, **kw)
 
+  def _split(self, x: jax.Array):
+    """`x` [batch, time, ...] as a list of `time_chunks` chunks (unchanged if 1)."""
+    n = self.config.time_chunks
+    return jnp.split(x, n, axis=1) if n > 1 else x
+
+  def _join(self, x) -> jax.Array:
+    return jnp.concatenate(x, axis=1) if isinstance(x, list) else x
+
   def encode(self, src: jax.Array) -> jax.Array:
     """[batch, t_src] int -> encoder outputs [batch, t_src, hidden]."""
-    mask = (src != PAD_ID).astype(jnp.float32)
-    x = self.encoder_0(self.embed(src), mask)
+    mask = self._split((src != PAD_ID).astype(jnp.float32))
+    x = self.encoder_0(self._split(self.embed(src)), mask)
     x = self.encoder_1(x, mask)
     for i in range(2, self.config.num_encoder_layers):
       y = getattr(self, f"encoder_{i}")(x, mask)
-      x = y + x if i >= self.config.residual_start else y
-    return x
+      x = _add(y, x) if i >= self.config.residual_start else y
+    return self._join(x)
 
   def decode(self, enc: jax.Array, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
     """Teacher-forced decoder: returns logits [batch, t_tgt, vocab]."""
     embed = self.tgt_embed if self.tgt_embed is not None else self.embed
-    x = self.decoder_0(embed(tgt_in))  # [batch, t_tgt, hidden]
+    x = self.decoder_0(self._split(embed(tgt_in)))  # [batch, t_tgt, hidden] (or its chunks)
     context = self.attention(x, enc, (src != PAD_ID).astype(jnp.float32))
     for i in range(1, self.config.num_decoder_layers):
-      y = getattr(self, f"decoder_{i}")(jnp.concatenate([x, context], axis=-1))
-      x = y + x if i >= self.config.residual_start else y
-    return self.classifier(x)
+      y = getattr(self, f"decoder_{i}")(_concat_features(x, context))
+      x = _add(y, x) if i >= self.config.residual_start else y
+    return self.classifier(self._join(x))
 
   def __call__(self, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
     return self.decode(self.encode(src), src, tgt_in)

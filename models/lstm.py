@@ -15,6 +15,9 @@ The cell is the standard LSTM (Hochreiter & Schmidhuber 1997, with the forget ga
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -85,18 +88,38 @@ class LSTM(nnx.Module):
   def out_features(self) -> int:
     return self.proj_size or self.hidden_size
 
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array | Sequence[jax.Array], mask: jax.Array | Sequence[jax.Array] | None = None):
     """Runs the layer over a batch of sequences from a zero state.
 
     Args:
-      x: inputs, [batch, time, in_features].
-      mask: optional [batch, time] with 1 for real tokens and 0 for padding. At padded steps the
-        state is held and the output is zero, so a reversed layer effectively starts at each
-        sequence's last real token.
+      x: inputs, [batch, time, in_features]; or a list of consecutive time chunks of them
+        ([batch, time_c, in_features] each): then each chunk runs in its own named scope `t<c>`
+        (its input transform and its part of the recurrence, the state carried over from the
+        chunk before), so the chunks become their own graph nodes and a later layer's chunk c
+        needs only this layer's chunk c (a wavefront across devices, as in PAPER.md).
+      mask: optional [batch, time] with 1 for real tokens and 0 for padding (chunked like `x`
+        when `x` is). At padded steps the state is held and the output is zero, so a reversed
+        layer effectively starts at each sequence's last real token.
 
     Returns:
-      Outputs, [batch, time, out_features].
+      Outputs, [batch, time, out_features]; a list of chunks for chunked inputs.
     """
+    chunked = isinstance(x, (list, tuple))
+    xs = list(x) if chunked else [x]
+    if mask is None:
+      masks = [None] * len(xs)
+    else:
+      masks = list(mask) if chunked else [mask]
+      if len(masks) != len(xs):
+        raise ValueError(f"{len(xs)} input chunks but {len(masks)} mask chunks: chunk both alike.")
+    carry, outs = None, [None] * len(xs)
+    for i in (reversed(range(len(xs))) if self.reverse else range(len(xs))):
+      with jax.named_scope(f"t{i}") if chunked else contextlib.nullcontext():
+        carry, outs[i] = self._run(xs[i], masks[i], carry)
+    return outs if chunked else outs[0]
+
+  def _run(self, x: jax.Array, mask: jax.Array | None, carry: tuple | None) -> tuple[tuple, jax.Array]:
+    """The layer over `x` ([batch, time, in]) from `carry` (None: zeros); (final carry, outputs)."""
     dt = self.dtype
     batch = x.shape[0]
     w_hh = self.w_hh[...].astype(dt)
@@ -108,8 +131,8 @@ class LSTM(nnx.Module):
       m = jnp.ones(xw.shape[:2] + (1,), dt)
     else:
       m = jnp.swapaxes(mask, 0, 1)[..., None].astype(dt)  # [time, batch, 1]
-    c0 = jnp.zeros((batch, self.hidden_size), dt)
-    r0 = jnp.zeros((batch, self.out_features), dt)
+    if carry is None:
+      carry = (jnp.zeros((batch, self.hidden_size), dt), jnp.zeros((batch, self.out_features), dt))
 
     def step(carry, inputs):
       c, r = carry
@@ -123,8 +146,8 @@ class LSTM(nnx.Module):
       r = m_t * r_new + (1 - m_t) * r
       return (c, r), r_new * m_t
 
-    _, ys = jax.lax.scan(step, (c0, r0), (xw, m), reverse=self.reverse)
-    return jnp.swapaxes(ys, 0, 1)  # [batch, time, out_features]
+    carry, ys = jax.lax.scan(step, carry, (xw, m), reverse=self.reverse)
+    return carry, jnp.swapaxes(ys, 0, 1)  # [batch, time, out_features]
 
 
 class BiLSTM(nnx.Module):
@@ -157,6 +180,9 @@ class BiLSTM(nnx.Module):
   def out_features(self) -> int:
     return 2 * self.forward.out_features
 
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """[batch, time, in] -> [batch, time, 2 * hidden]."""
-    return jnp.concatenate([self.forward(x, mask), self.backward(x, mask)], axis=-1)
+  def __call__(self, x, mask=None):
+    """[batch, time, in] -> [batch, time, 2 * hidden]; lists of time chunks chunk by chunk."""
+    fwd, bwd = self.forward(x, mask), self.backward(x, mask)
+    if isinstance(x, (list, tuple)):
+      return [jnp.concatenate([f, b], axis=-1) for f, b in zip(fwd, bwd)]
+    return jnp.concatenate([fwd, bwd], axis=-1)

@@ -235,3 +235,78 @@ def test_gnmt_attention_ignores_padding():
   changed = keys.at[0, 2].set(100.0)
   np.testing.assert_allclose(att(q, keys, mask), att(q, changed, mask), rtol=1e-6)
   assert cfg.num_encoder_layers == 4  # tiny keeps the 4+4 structure (bidirectional, residuals)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lstm_time_chunks_equal_the_whole_sequence(reverse):
+  """A layer fed consecutive time chunks carries its state across them: same outputs, same
+  gradients as one scan over the whole sequence (masked steps included)."""
+  from jaxhybrid.models.lstm import LSTM
+
+  layer = LSTM(6, 8, proj_size=5, reverse=reverse, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, 12, 6))
+  mask = jnp.ones((3, 12)).at[1, 9:].set(0.0).at[2, :2].set(0.0)
+  whole = layer(x, mask)
+  chunks = layer(jnp.split(x, 3, axis=1), jnp.split(mask, 3, axis=1))
+  assert len(chunks) == 3
+  np.testing.assert_allclose(jnp.concatenate(chunks, axis=1), whole, rtol=1e-6, atol=1e-6)
+
+  graphdef, params = nnx.split(layer)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def grads(p, chunked):
+    def loss(p):
+      m = nnx.merge(graphdef, p)
+      out = m(jnp.split(x, 4, axis=1)) if chunked else [m(x)]
+      return jnp.sum(jnp.concatenate(out, axis=1) ** 2)
+
+    return jax.grad(loss)(p)
+
+  g_whole, g_chunk = grads(params, False), grads(params, True)
+  for a, b in zip(jax.tree.leaves(g_whole), jax.tree.leaves(g_chunk)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="mask chunks"):
+    layer(jnp.split(x, 3, axis=1), jnp.split(mask, 2, axis=1))
+
+
+def test_biglstm_time_chunks_are_graph_nodes_in_a_wavefront():
+  from jaxhybrid import graph
+
+  spec = models.get("biglstm", "tiny", time_chunks=4)
+  one = models.get("biglstm", "tiny")
+  batch = spec.synthetic_batch(0, 2)
+  assert float(spec.loss_fn(spec.make(nnx.Rngs(0)), batch)) == pytest.approx(
+    float(one.loss_fn(one.make(nnx.Rngs(0)), batch)), rel=1e-6)
+  g = graph.trace(nnx.eval_shape(lambda: spec.make(nnx.Rngs(0))), spec.loss_fn,
+                  jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
+  names = [n.name for n in g.nodes]
+  assert names == ["embed"] + [f"lstm_{i}/t{c}" for i in range(2) for c in range(4)] + ["softmax"]
+  edges = {(names[e.src], names[e.dst]) for e in g.edges}
+  for c in range(4):
+    # Layer 1's chunk c reads layer 0's chunk c and its own chunk c - 1, nothing later.
+    reads = {a for a, b in edges if b == f"lstm_1/t{c}"}
+    assert reads == {f"lstm_0/t{c}"} | ({f"lstm_1/t{c - 1}"} if c else set())
+  with pytest.raises(ValueError, match="divide unroll"):
+    models.get("biglstm", "tiny", time_chunks=3)
+
+
+def test_gnmt_time_chunks_keep_the_loss_and_pipeline_the_decoder():
+  from jaxhybrid import graph
+
+  spec, one = models.get("gnmt", "tiny", time_chunks=2), models.get("gnmt", "tiny")
+  batch = spec.synthetic_batch(0, 3)
+  assert float(spec.loss_fn(spec.make(nnx.Rngs(0)), batch)) == pytest.approx(
+    float(one.loss_fn(one.make(nnx.Rngs(0)), batch)), rel=1e-6)
+  g = graph.trace(nnx.eval_shape(lambda: spec.make(nnx.Rngs(0))), spec.loss_fn,
+                  jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
+  names = [n.name for n in g.nodes]
+  edges = {(names[e.src], names[e.dst]) for e in g.edges}
+  for layer in ("encoder_1", "decoder_0", "decoder_1", "attention"):
+    assert f"{layer}/t0" in names and f"{layer}/t1" in names
+  # Decoder layer 1's first chunk needs the first chunks only (and the whole encoder through
+  # the attention's keys), so it can run while layer 0 works on the second chunk.
+  reads = {a for a, b in edges if b == "decoder_1/t0"}
+  assert reads == {"decoder_0/t0", "attention/t0"}
+  assert ("attention/keys", "attention/t1") in edges
+  with pytest.raises(ValueError, match="divide max_source_length"):
+    models.get("gnmt", "tiny", time_chunks=3)

@@ -41,8 +41,8 @@ INCEPTION_LR = 1e-2
 
 
 @functools.lru_cache(maxsize=None)
-def _model(name):
-  spec = models.get(name, "tiny", **_OVERRIDES.get(name, {}))
+def _model(name, extra=()):
+  spec = models.get(name, "tiny", **_OVERRIDES.get(name, {}), **dict(extra))
   return spec, spec.init(0)  # one compiled init (eager Inception init compiles per layer)
 
 
@@ -77,8 +77,8 @@ def chunked_reference(pure, params, state, batch, per_example, chunks, opt, step
   return losses, [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
-def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b"):
-  spec, model = _model(name)
+def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b", overrides=()):
+  spec, model = _model(name, tuple(overrides))
   shape = mesh_lib.parse(mesh_spec)
   # BatchNorm over a handful of values is ill-conditioned (float rounding grows step to step),
   # so Inception gets bigger micro-batches and plain SGD.
@@ -90,7 +90,7 @@ def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b"):
     planner_options={"time_limit_s": 10}, max_nodes=max_nodes,
     program_options={"schedule": schedule},
   )
-  if shape.model > 1 and (k > 1 or name == "inception_v3"):
+  if shape.model > 1 and (k > 1 or name == "inception_v3" or overrides):
     # Pipelined stacks and branchy blocks gain from 2 devices (a chain at k=1 does not).
     assert len(set(hy.plan.assignment)) > 1, "the 2-way plan should use both devices"
   state = hy.init()
@@ -124,6 +124,14 @@ _SEQ_CASES = [
 )
 def test_sequence_models_match_reference(name, mesh_spec, k, planner, schedule):
   check(name, mesh_spec, k, planner, schedule=schedule)
+
+
+@pytest.mark.parametrize("name,mesh_spec,schedule,chunks", [
+  ("biglstm", "1x2", "1f1b", 4), ("biglstm", "2x2", "zb", 4), ("gnmt", "1x2", "zb", 2)])
+def test_time_chunked_lstm_layers_match_reference(name, mesh_spec, schedule, chunks):
+  """Each LSTM layer in time chunks (one node each), k = 1: the plan spreads the layers' chunks
+  over both devices (a wavefront, not micro-batches) and training equals the reference."""
+  check(name, mesh_spec, 1, "milp", schedule=schedule, overrides=(("time_chunks", chunks),))
 
 
 # The same matrix's remaining cases (GNMT's compile 25-70 s each): under the slow marker.
