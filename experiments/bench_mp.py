@@ -47,8 +47,8 @@ step drifts 15-25 % between runs). The same speedups against a second one-device
 predicted_1dev_whole_s (the whole forward + backward profiled as one compiled function, which sees
 what XLA fuses across nodes in a plain step; node sums miss it, the chain's by 25-38 %):
 speedup_prediction_error (lock-step program price), plan_speedup_prediction_error (the plan's own
-price), each _mean / _max and _paired, predicted_1dev_whole_error; definitions in
-bench_mp_errors.py. With --compare_unpacked: step_s_plan_unpacked (every transfer
+price), each _mean / _max and _paired, predicted_1dev_whole_error; plan_step_prediction_error:
+the plan's own lock-step price against the measured step; definitions in bench_mp_errors.py. With --compare_unpacked: step_s_plan_unpacked (every transfer
 its own ppermute) and packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run. Step
 times are medians over --steps timed steps after --warmup steps.
 """

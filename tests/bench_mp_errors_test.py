@@ -45,7 +45,8 @@ def test_errors_of_every_candidate_and_the_first_pick(be):
   assert row["step_prediction_error_max"] == pytest.approx(0.2)  # 0.64 predicted vs 0.8 measured
   assert row["first_pick_method"] == "dp" and row["first_pick_measured_speedup"] == pytest.approx(1.25)
   # A candidate without the plan's own price leaves the plan error out of the summary.
-  assert "plan_lockstep_prediction_error_mean" not in row
+  assert "plan_lockstep_prediction_error_mean" not in row and "plan_step_prediction_error_mean" not in row
+  assert single["candidates"][0]["plan_step_prediction_error"] == pytest.approx(0.2)  # 0.4 vs 0.5
   assert single["candidates"][0]["plan_lockstep_prediction_error"] == pytest.approx(abs(1.0 / 0.4 - 2.0) / 2.0)
   # No whole-step profile (a run before it existed): no whole-step fields.
   assert "speedup_prediction_error_mean" not in row and "predicted_1dev_whole_error" not in row
