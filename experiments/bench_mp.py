@@ -16,7 +16,9 @@ jax.distributed with gloo collectives; the 1-device baseline is one such process
    on mesh 1x2.
 Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 256, batch
 8192, k=8: a uniform pipeline of 1024-row micro-batches; `--set width=1024 --batch=512` is the
-earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS). The program runs --schedule
+earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS); BigLSTM runs each LSTM
+layer in 4 time chunks at k=1 (BENCH_SETS; `--set time_chunks=1 --microbatches=2` is the earlier
+micro-batched run). The program runs --schedule
 (default 1F1B). Per model the prediction error of EVERY timed candidate is summarised
 (prediction_error_program_mean / _max), and the lock-step model's first pick is reported beside the
 autotuned one (first_pick_*). Data-parallel baselines on 2x1: plain `jax.jit` (XLA all-reduces each
@@ -121,9 +123,13 @@ flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 # cost GNMT 44 % over one batch of 16 on one core (small LSTM matmuls), of 16 over 64 9 %.
 # chain: 8 tanh layers of 256, batch 8192: a ~0.6 s one-core step; M=2, k=8 1F1B bound 16/9 =
 # 1.78x. (Width 1024 at batch 512: 8 micro-batches cost 1.6x the full batch, a ~1.1x cap.)
-# BigLSTM k=2: 4 micro-batches of 16 rows cost 1.2x the full batch on one core; back to back
-# (session 11) k=2 ran 1.09x (paired 1.14x), k=4 0.95x (1.00x); the lock-step model agrees.
-BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 2), "chain": (8192, 8)}
+# BigLSTM: each LSTM layer in 4 time chunks (BENCH_SETS), k=1: the layers overlap as a
+# wavefront over time on the full batch (session 14: 1.32x, paired 1.46x). Without chunks it
+# needs micro-batches, and 32-row ones cost 1.48x per row on one core: k=2 ran 0.96-1.07x
+# (paired 0.92-1.11x; --set time_chunks=1 --microbatches=2).
+BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 1), "chain": (8192, 8)}
+# Per-model config overrides under --set's (which win).
+BENCH_SETS = {"biglstm": {"time_chunks": 4}}
 
 # Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
 LOCKSTEP_CANDIDATES = ("dp", "interleaved")
@@ -146,6 +152,11 @@ def _overrides() -> dict:
     except (ValueError, SyntaxError):
       out[k] = v
   return out
+
+
+def _model_sets(name: str) -> dict:
+  """The model's config overrides: BENCH_SETS under --set."""
+  return {**BENCH_SETS.get(name, {}), **_overrides()}
 
 
 def _batch_k(name: str) -> tuple[int, int]:
@@ -183,7 +194,7 @@ def _model(name):
         raise ValueError(f"--set {key}: the chain takes width, layers, features")
       setattr(spec, key, int(value))
   else:
-    spec = models.get(name, FLAGS.size, **_overrides())
+    spec = models.get(name, FLAGS.size, **_model_sets(name))
   return spec, spec.make(nnx.Rngs(0))
 
 
@@ -285,6 +296,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
+    "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
     "candidates": tuned, **chosen,
   }))

@@ -49,7 +49,8 @@ FLAGS = flags.FLAGS
 
 def _settings(work: pathlib.Path) -> dict:
   single = json.loads((work / f"single_{FLAGS.model}.json").read_text())
-  return {"batch": single["batch"], "k": single["microbatches"], "remat": single["branch_remat"]}
+  return {"batch": single["batch"], "k": single["microbatches"], "remat": single["branch_remat"],
+          "overrides": single.get("model_overrides", {})}  # e.g. BigLSTM's time_chunks
 
 
 def _plan_path(work: pathlib.Path) -> pathlib.Path:
@@ -67,7 +68,7 @@ def role_trace(work: pathlib.Path) -> None:
 
   localcluster.worker_init()
   cfg = _settings(work)
-  spec = models.get(FLAGS.model, FLAGS.size)
+  spec = models.get(FLAGS.model, FLAGS.size, **cfg["overrides"])
   batch = spec.synthetic_batch(0, cfg["batch"])
   hy = api.parallelize(
     spec.make(nnx.Rngs(0)), spec.loss_fn, optax.adam(1e-4), batch, mesh=mesh_lib.make("1x2"),
@@ -178,7 +179,7 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   from jaxhybrid.program import executor, lockstep
   from jaxhybrid.program import structure as structure_lib
 
-  spec = models.get(FLAGS.model, FLAGS.size)
+  spec = models.get(FLAGS.model, FLAGS.size, **cfg["overrides"])
   b, k = cfg["batch"], cfg["k"]
   batch = spec.synthetic_batch(0, b)
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
