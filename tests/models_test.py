@@ -269,19 +269,24 @@ def test_lstm_time_chunks_equal_the_whole_sequence(reverse):
     layer(jnp.split(x, 3, axis=1), jnp.split(mask, 2, axis=1))
 
 
-def test_biglstm_time_chunks_are_graph_nodes_in_a_wavefront():
+def _chunked_graph(name, chunks, batch_size):
+  """(node names, edges by name) of the tiny model in `chunks` time chunks, after checking that
+  its loss equals the unchunked model's."""
   from jaxhybrid import graph
 
-  spec = models.get("biglstm", "tiny", time_chunks=4)
-  one = models.get("biglstm", "tiny")
-  batch = spec.synthetic_batch(0, 2)
+  spec, one = models.get(name, "tiny", time_chunks=chunks), models.get(name, "tiny")
+  batch = spec.synthetic_batch(0, batch_size)
   assert float(spec.loss_fn(spec.make(nnx.Rngs(0)), batch)) == pytest.approx(
     float(one.loss_fn(one.make(nnx.Rngs(0)), batch)), rel=1e-6)
   g = graph.trace(nnx.eval_shape(lambda: spec.make(nnx.Rngs(0))), spec.loss_fn,
                   jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
   names = [n.name for n in g.nodes]
+  return names, {(names[e.src], names[e.dst]) for e in g.edges}
+
+
+def test_biglstm_time_chunks_are_graph_nodes_in_a_wavefront():
+  names, edges = _chunked_graph("biglstm", 4, 2)
   assert names == ["embed"] + [f"lstm_{i}/t{c}" for i in range(2) for c in range(4)] + ["softmax"]
-  edges = {(names[e.src], names[e.dst]) for e in g.edges}
   for c in range(4):
     # Layer 1's chunk c reads layer 0's chunk c and its own chunk c - 1, nothing later.
     reads = {a for a, b in edges if b == f"lstm_1/t{c}"}
@@ -291,16 +296,7 @@ def test_biglstm_time_chunks_are_graph_nodes_in_a_wavefront():
 
 
 def test_gnmt_time_chunks_keep_the_loss_and_pipeline_the_decoder():
-  from jaxhybrid import graph
-
-  spec, one = models.get("gnmt", "tiny", time_chunks=2), models.get("gnmt", "tiny")
-  batch = spec.synthetic_batch(0, 3)
-  assert float(spec.loss_fn(spec.make(nnx.Rngs(0)), batch)) == pytest.approx(
-    float(one.loss_fn(one.make(nnx.Rngs(0)), batch)), rel=1e-6)
-  g = graph.trace(nnx.eval_shape(lambda: spec.make(nnx.Rngs(0))), spec.loss_fn,
-                  jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
-  names = [n.name for n in g.nodes]
-  edges = {(names[e.src], names[e.dst]) for e in g.edges}
+  names, edges = _chunked_graph("gnmt", 2, 3)
   for layer in ("encoder_1", "decoder_0", "decoder_1", "attention"):
     assert f"{layer}/t0" in names and f"{layer}/t1" in names
   # Decoder layer 1's first chunk needs the first chunks only (and the whole encoder through
