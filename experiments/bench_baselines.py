@@ -130,3 +130,52 @@ def _put(x, sharding):
   import numpy as np
 
   return jax.make_array_from_callback(np.shape(x), sharding, lambda i: np.asarray(x)[i])
+
+
+# Files by which the single job's load process (rank 1) and its profiling process (rank 0) meet.
+LOAD_RUNNING, LOAD_STOP, LOAD_STOPPED = "load_running_{}", "load_stop_{}", "load_stopped_{}"
+
+
+def run_load(step, carry, batch, work, name, max_s):
+  """Runs `step` back to back on this process's core until `work / LOAD_STOP` exists (or max_s):
+  the busy neighbour of a profiling process, as the other device is busy while the program runs.
+  Writes LOAD_RUNNING after the first (compiling) step and LOAD_STOPPED on the way out."""
+  import jax
+
+  t0 = time.perf_counter()
+  try:
+    carry, _ = step(carry, batch)
+    jax.block_until_ready(carry)
+    (work / LOAD_RUNNING.format(name)).touch()
+    while not (work / LOAD_STOP.format(name)).exists() and time.perf_counter() - t0 < max_s:
+      carry, _ = step(carry, batch)
+      jax.block_until_ready(carry)
+  finally:
+    (work / LOAD_STOPPED.format(name)).touch()
+
+
+def run_model_load(model, loss_fn, batch, work, name, max_s):
+  """`run_load` with the model's plain one-device training step (Adam), as rank 1 of bench_mp's
+  single job runs it."""
+  import jax
+  import numpy as np
+  import optax
+
+  from jaxhybrid import graph as graph_lib
+
+  opt = optax.adam(1e-4)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
+  step = jax.jit(plain_step(pure, opt), donate_argnums=0)
+  run_load(step, (p, opt.init(p), s), jax.tree.map(np.asarray, batch), work, name, max_s)
+
+
+def wait_for(path, timeout_s, fail_if=None):
+  """Waits until `path` exists; raises TimeoutError after timeout_s, RuntimeError as soon as
+  `fail_if` exists first (e.g. the load process stopped before it ran)."""
+  t0 = time.perf_counter()
+  while not path.exists():
+    if fail_if is not None and fail_if.exists():
+      raise RuntimeError(f"{fail_if.name} appeared before {path.name}: the other process stopped (see its error)")
+    if time.perf_counter() - t0 > timeout_s:
+      raise TimeoutError(f"{path.name} did not appear within {timeout_s:.0f} s")
+    time.sleep(0.05)

@@ -5,9 +5,11 @@ r"""Model-parallel speed on one-core CPU devices: measured vs predicted, and aga
 Each device is its own process pinned to its own core (jaxhybrid.program.localcluster), joined by
 jax.distributed with gloo collectives; the 1-device baseline is one such process. Per model:
 1. (2 processes) the ppermute link between two such devices is calibrated (alpha, bandwidth);
-2. (1 process) node times are profiled (one core; F and B tasks apart, --task_profiles), the
+2. (1 process, and with --profile_under_load a second one running the model's plain step on the
+   other core meanwhile, as the program keeps both busy) node times are profiled (one core; F
+   and B tasks apart, --task_profiles), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
-   heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed;
+   heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
 3. (2 processes) the --autotune best-predicted candidate plans run as the hybrid program on mesh
    1x2 and the fastest is the run's plan (each candidate's prediction and time are in
    `candidates`, so the model is checked on every plan timed, not only the fastest); a plain `jax.jit`
@@ -106,6 +108,8 @@ flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
+flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
+                     "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
 flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
 flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
@@ -220,6 +224,26 @@ def _link(work):
 
 
 def role_single(work: pathlib.Path, name: str) -> None:
+  """Profiles, plans, times one device (`_single`); with --profile_under_load rank 1 of this
+  two-process job runs the model's plain step on the other core meanwhile."""
+  from jaxhybrid.program import localcluster
+
+  flags_ = [bench_baselines.LOAD_RUNNING, bench_baselines.LOAD_STOP, bench_baselines.LOAD_STOPPED]
+  running, stop, stopped = (work / f.format(name) for f in flags_)
+  if not FLAGS.profile_under_load:
+    return _single(work, name, lambda: None)
+  if os.environ.get(localcluster.ENV_RANK, "0") == "1":
+    spec, model = _model(name)
+    return bench_baselines.run_model_load(model, spec.loss_fn, spec.synthetic_batch(0, _batch_k(name)[0]),
+                                          work, name, FLAGS.budget_s)
+  bench_baselines.wait_for(running, 900, fail_if=stopped)
+  try:  # the plain one-device step is timed alone, as before
+    _single(work, name, lambda: (stop.touch(), bench_baselines.wait_for(stopped, 300)))
+  finally:
+    stop.touch()
+
+
+def _single(work: pathlib.Path, name: str, stop_load) -> None:
   import jax
   import numpy as np
   import optax
@@ -282,6 +306,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
   full_1dev_s = cm_full.step_time_s(g_full)
   whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
+  stop_load()
   _, p_plain, s_plain, pure_plain = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
   step = jax.jit(bench_baselines.plain_step(pure_plain, opt), donate_argnums=0)
   carry = (p_plain, opt.init(p_plain), s_plain)
@@ -298,6 +323,7 @@ def role_single(work: pathlib.Path, name: str) -> None:
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
     "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
+    "profiled_under_load": FLAGS.profile_under_load,
     "candidates": tuned, **chosen,
   }))
 
@@ -373,6 +399,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
     f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
+    f"--profile_under_load={FLAGS.profile_under_load}", f"--budget_s={FLAGS.budget_s}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
@@ -400,7 +427,9 @@ def driver() -> list[dict]:
       # reported as this model's skip reason and the next model runs.
       try:
         logging.info("%s: profile, plan, time 1 device", name)
-        localcluster.launch(_worker_argv("single", name), 1, timeout_s=_job_s(t_start))
+        for f in (bench_baselines.LOAD_RUNNING, bench_baselines.LOAD_STOP, bench_baselines.LOAD_STOPPED):
+          (work / f.format(name)).unlink(missing_ok=True)
+        localcluster.launch(_worker_argv("single", name), 1 + FLAGS.profile_under_load, timeout_s=_job_s(t_start))
         logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
         localcluster.launch(_worker_argv("multi", name), 2, timeout_s=_job_s(t_start))
       except RuntimeError as e:

@@ -1,0 +1,54 @@
+"""experiments/bench_baselines.py: the load process's handshake with bench_mp's profiling process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+
+import pytest
+
+_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+
+
+@pytest.fixture(scope="module")
+def bb():
+  spec = importlib.util.spec_from_file_location("bench_baselines_under_test", os.path.join(_DIR, "bench_baselines.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_load_runs_until_told_to_stop_and_says_so(tmp_path, bb):
+  steps = []
+
+  def step(carry, batch):
+    steps.append(batch)
+    return carry + 1, None
+
+  t = threading.Thread(target=bb.run_load, args=(step, 0, "b", tmp_path, "m", 600.0))
+  t.start()
+  bb.wait_for(tmp_path / bb.LOAD_RUNNING.format("m"), 60)  # after the first (compiling) step
+  assert steps and t.is_alive() and not (tmp_path / bb.LOAD_STOPPED.format("m")).exists()
+  (tmp_path / bb.LOAD_STOP.format("m")).touch()
+  bb.wait_for(tmp_path / bb.LOAD_STOPPED.format("m"), 60)
+  t.join(60)
+  assert not t.is_alive() and set(steps) == {"b"}
+
+
+def test_load_says_it_stopped_when_its_step_fails(tmp_path, bb):
+  def step(carry, batch):
+    raise RuntimeError("out of memory")
+
+  with pytest.raises(RuntimeError, match="out of memory"):
+    bb.run_load(step, 0, None, tmp_path, "m", 600.0)
+  assert (tmp_path / bb.LOAD_STOPPED.format("m")).exists()  # the profiling process stops waiting
+  assert not (tmp_path / bb.LOAD_RUNNING.format("m")).exists()
+  # ... and the profiling process, waiting for the load to run, fails at once instead of waiting.
+  with pytest.raises(RuntimeError, match="stopped"):
+    bb.wait_for(tmp_path / bb.LOAD_RUNNING.format("m"), 600, fail_if=tmp_path / bb.LOAD_STOPPED.format("m"))
+
+
+def test_wait_for_names_the_missing_file(tmp_path, bb):
+  with pytest.raises(TimeoutError, match="never"):
+    bb.wait_for(tmp_path / "never", 0.0)
