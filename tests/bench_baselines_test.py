@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import threading
 
 import pytest
-
-_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+from conftest import experiment_module
 
 
 @pytest.fixture(scope="module")
 def bb():
-  spec = importlib.util.spec_from_file_location("bench_baselines_under_test", os.path.join(_DIR, "bench_baselines.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return experiment_module("bench_baselines")
 
 
 def test_load_runs_until_told_to_stop_and_says_so(tmp_path, bb):

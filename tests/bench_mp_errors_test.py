@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                     "bench_mp_errors.py")
+from conftest import experiment_module
 
 
 @pytest.fixture(scope="module")
 def be():
-  spec = importlib.util.spec_from_file_location("bench_mp_errors_under_test", _PATH)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return experiment_module("bench_mp_errors")
 
 
 def _jobs(whole=None):

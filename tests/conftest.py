@@ -65,3 +65,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
   env["XLA_FLAGS"] = flags.strip()
   env.update(extra)
   return env
+
+
+def experiment_module(name: str):
+  """Loads experiments/<name>.py as a fresh module (experiments/ is not a package)."""
+  import importlib.util
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod

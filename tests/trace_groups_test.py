@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import os
 
 import pytest
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                     "trace_groups.py")
+from conftest import experiment_module
 
 
 @pytest.fixture(scope="module")
 def tg():
-  spec = importlib.util.spec_from_file_location("trace_groups_under_test", _PATH)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return experiment_module("trace_groups")
 
 
 def _x(name, ts_us, dur_us, tid=7):
