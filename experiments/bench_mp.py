@@ -261,10 +261,12 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
                                branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
+  cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
+  t1 = time.perf_counter()
   kinds = {"schedule_kinds": (FLAGS.schedule,)}  # plan the kind the program runs
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner,
                        time_limit_s=FLAGS.time_limit, **kinds)
-  plan_s = time.perf_counter() - t0
+  plan_s, profile_s, place_s = time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1
   # Its per-step memory passes (optimizer update, gradient accumulation, the conditionals'
   # zero-fill) are priced from this run's measured per-byte times.
   opt = optax.adam(1e-4)
@@ -319,7 +321,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "predicted_1dev_update_s": update_1dev_s, "update_s_per_byte": pc.update_s_per_byte,
     "add_s_per_byte": pc.add_s_per_byte, "fill_s_per_byte": pc.fill_s_per_byte,
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
-    "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s,
+    "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s, "profile_s": profile_s, "place_s": place_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
     "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
