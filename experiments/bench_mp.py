@@ -168,35 +168,13 @@ def _batch_k(name: str) -> tuple[int, int]:
   return FLAGS.batch or b, FLAGS.microbatches or k
 
 
-class _ChainSpec:
-  """The uniform chain (chain_model.py) with the registry spec's interface."""
-
-  width, layers, features = 256, 8, 64
-
-  def make(self, rngs):
-    return chain_model.make(self.width, self.layers, self.features, rngs)
-
-  loss_fn = staticmethod(chain_model.loss_fn)
-
-  def synthetic_batch(self, seed, n):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(n, self.features)).astype(np.float32),
-            "y": rng.normal(size=(n, self.features)).astype(np.float32)}
-
-
 def _model(name):
   from flax import nnx
 
   from jaxhybrid import models
 
   if name == "chain":
-    spec = _ChainSpec()
-    for key, value in _overrides().items():  # --set width=512, --set layers=8
-      if key not in ("width", "layers", "features"):
-        raise ValueError(f"--set {key}: the chain takes width, layers, features")
-      setattr(spec, key, int(value))
+    spec = chain_model.spec(**_overrides())  # --set width=512, --set layers=8
   else:
     spec = models.get(name, FLAGS.size, **_model_sets(name))
   return spec, spec.make(nnx.Rngs(0))

@@ -34,3 +34,31 @@ def loss_fn(m: Any, batch: Any) -> Any:
   import jax.numpy as jnp
 
   return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+
+
+class ChainSpec:
+  """The chain with the registry spec's interface (make, loss_fn, synthetic_batch)."""
+
+  width, layers, features = 256, 8, 64
+
+  def make(self, rngs: Any) -> Any:
+    return make(self.width, self.layers, self.features, rngs)
+
+  loss_fn = staticmethod(loss_fn)
+
+  def synthetic_batch(self, seed: int, n: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, self.features)).astype(np.float32),
+            "y": rng.normal(size=(n, self.features)).astype(np.float32)}
+
+
+def spec(**overrides: Any) -> ChainSpec:
+  """A ChainSpec with `width`, `layers` or `features` overridden (ints or their strings)."""
+  out = ChainSpec()
+  for key, value in overrides.items():
+    if key not in ("width", "layers", "features"):
+      raise ValueError(f"--set {key}: the chain takes width, layers, features")
+    setattr(out, key, int(value))
+  return out

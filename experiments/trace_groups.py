@@ -53,6 +53,17 @@ def _settings(work: pathlib.Path) -> dict:
           "overrides": single.get("model_overrides", {})}  # e.g. BigLSTM's time_chunks
 
 
+def _spec(cfg: dict):
+  """The model as bench_mp ran it: a registry model, or bench_mp's uniform chain."""
+  if FLAGS.model == "chain":
+    import chain_model  # experiments/ (the script's folder)
+
+    return chain_model.spec(**cfg["overrides"])
+  from jaxhybrid import models
+
+  return models.get(FLAGS.model, FLAGS.size, **cfg["overrides"])
+
+
 def _plan_path(work: pathlib.Path) -> pathlib.Path:
   return work / (FLAGS.plan or f"plan_{FLAGS.model}.json")
 
@@ -62,13 +73,13 @@ def role_trace(work: pathlib.Path) -> None:
   import optax
   from flax import nnx
 
-  from jaxhybrid import api, models, planner
+  from jaxhybrid import api, planner
   from jaxhybrid import mesh as mesh_lib
   from jaxhybrid.program import localcluster
 
   localcluster.worker_init()
   cfg = _settings(work)
-  spec = models.get(FLAGS.model, FLAGS.size, **cfg["overrides"])
+  spec = _spec(cfg)
   batch = spec.synthetic_batch(0, cfg["batch"])
   hy = api.parallelize(
     spec.make(nnx.Rngs(0)), spec.loss_fn, optax.adam(1e-4), batch, mesh=mesh_lib.make("1x2"),
@@ -174,12 +185,12 @@ def _measured_groups(timeline, windows, messages: list[int]) -> tuple[list[dict]
 def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   from flax import nnx
 
-  from jaxhybrid import api, costs, models, planner
+  from jaxhybrid import api, costs, planner
   from jaxhybrid import graph as graph_lib
   from jaxhybrid.program import executor, lockstep
   from jaxhybrid.program import structure as structure_lib
 
-  spec = models.get(FLAGS.model, FLAGS.size, **cfg["overrides"])
+  spec = _spec(cfg)
   b, k = cfg["batch"], cfg["k"]
   batch = spec.synthetic_batch(0, b)
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
