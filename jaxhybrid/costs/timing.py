@@ -63,16 +63,21 @@ def _node_case(graph: graph_lib.OpGraph, node: graph_lib.Node, seed: int, policy
   """(forward, diff_args, rest, cotangents) of `node` on random inputs: forward(diff_args, rest)
   is the F task, returning ((outputs, aux), pullback), the pullback None when nothing is
   differentiated."""
+  return _case(graph, graph.node_fn(node), node.invars, node.outvars, seed, policy)
+
+
+def _case(graph: graph_lib.OpGraph, fn: Callable, invars: Any, outvars: Any, seed: int, policy: Any):
+  """`_node_case` of `fn(*invars) -> [outvars]` (a node, or the whole traced loss): every
+  floating-point input is differentiated except the graph's batch and state."""
   no_grad = {
     v for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
     if kind in (graph_lib.BATCH, graph_lib.STATE)
   }
-  fn = graph.node_fn(node)
   rng = np.random.default_rng(seed)
-  inputs = [_random_input(v.aval, rng) for v in node.invars]
-  diff = [i for i, v in enumerate(node.invars) if _is_float(v.aval) and v not in no_grad]
-  out_float = [_is_float(v.aval) for v in node.outvars]
-  cts = [_random_input(v.aval, rng) for v, f in zip(node.outvars, out_float) if f]
+  inputs = [_random_input(v.aval, rng) for v in invars]
+  diff = [i for i, v in enumerate(invars) if _is_float(v.aval) and v not in no_grad]
+  out_float = [_is_float(v.aval) for v in outvars]
+  cts = [_random_input(v.aval, rng) for v, f in zip(outvars, out_float) if f]
 
   def partial(rest, *d):
     args = list(rest)
@@ -121,7 +126,12 @@ def time_node(
   program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
   across them), as in a single-device step.
   """
-  forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
+  return _fused_time_s(_node_case(graph, node, seed, policy), warmup, repeats, warmup_s)
+
+
+def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float) -> float:
+  """Median time of a `_case`'s forward and backward compiled as one function."""
+  forward, diff_args, rest, cts = case
 
   def fwd_bwd(diff_args, rest, cts):
     outs, vjp = forward(diff_args, rest)
@@ -163,34 +173,9 @@ def time_graph(
   XLA fuses and lays out across node boundaries; measured on one core, a 256-wide tanh layer at
   8192 rows took 67 ms timed alone (fastest of 60 runs) and about 53 ms inside the whole step.
   """
-  rng = np.random.default_rng(seed)
-  jaxpr = graph.jaxpr
-  fn = jex.core.jaxpr_as_fun(graph.closed_jaxpr)
-  inputs = [_random_input(v.aval, rng) for v in jaxpr.invars]
-  diff = [
-    i for i, (v, (kind, _)) in enumerate(zip(jaxpr.invars, graph.input_kinds))
-    if kind == graph_lib.PARAM and _is_float(v.aval)
-  ]
-  out_float = [_is_float(v.aval) for v in jaxpr.outvars]
-  cts = [_random_input(v.aval, rng) for v, f in zip(jaxpr.outvars, out_float) if f]
-
-  def fwd_bwd(diff_args, rest, cts):
-    def f(*d):
-      args = list(rest)
-      for i, x in zip(diff, d):
-        args[i] = x
-      outs = fn(*args)
-      return [o for o, fl in zip(outs, out_float) if fl], [o for o, fl in zip(outs, out_float) if not fl]
-
-    if not diff:
-      return f()
-    outs, vjp, aux = jax.vjp(f, *diff_args, has_aux=True)
-    return outs, aux, vjp(cts)
-
-  diff_args = [inputs[i] for i in diff]
-  rest = [None if i in diff else x for i, x in enumerate(inputs)]
-  step = jax.jit(fwd_bwd)
-  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
+  jaxpr = graph.jaxpr  # its inputs are the parameters, state and batch: only parameters differentiated
+  case = _case(graph, jex.core.jaxpr_as_fun(graph.closed_jaxpr), jaxpr.invars, jaxpr.outvars, seed, None)
+  return _fused_time_s(case, warmup, repeats, warmup_s)
 
 
 def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
