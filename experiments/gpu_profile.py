@@ -57,7 +57,7 @@ def _config(name: str):
 
   from jaxhybrid.train import runner
 
-  return runner._resolve(runner.RunConfig(  # noqa: SLF001 (run.py's own defaults)
+  return runner._resolve(runner.RunConfig(
     model=name, size=_SIZE.value, batch=_BATCH.value, mesh="1x1", microbatches=1,
     planner="single", data="synthetic", progress=False, projection=False,
     workdir=tempfile.mkdtemp(prefix="gpu_profile_"),
@@ -121,12 +121,12 @@ def part_hybrid(name: str) -> dict:
 
 
 def part_plain(name: str, deadline: float, profile_dir: pathlib.Path) -> dict:
+  import bench_baselines  # experiments/ (the script's folder)
   import jax
   import numpy as np
   import optax
   from flax import nnx
 
-  import bench_baselines  # experiments/ (the script's folder)
   from jaxhybrid import api, costs, models
   from jaxhybrid import graph as graph_lib
   from jaxhybrid.train import run_data
@@ -205,7 +205,7 @@ def driver(models, out: pathlib.Path, budget_s: float) -> dict:
       argv += [f"--batch={_BATCH.value}"] if _BATCH.value else []
       t0 = time.time()
       try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=left)
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=left, check=False)
         ok = proc.returncode == 0 and child.exists()
         why = "" if ok else (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
       except subprocess.TimeoutExpired:
