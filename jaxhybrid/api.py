@@ -272,6 +272,8 @@ def parallelize(
       )
     _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
     g = graph_lib.trace_function(pure, p, s, spec, depth=depth, max_nodes=max_nodes)
+    if pure.updated_state:
+      _warn_state_writes(pure.updated_state)
     _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
     # An abstract model (nnx.eval_shape) plans and compiles without allocating its parameters
     # (e.g. `program.memory()` at paper size); its small read-only state is zeros.
@@ -352,6 +354,20 @@ def parallelize(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
     reference_loss=reference, check=check,
   )
+
+
+def _warn_state_writes(paths: Sequence[str]) -> None:
+  """One warning when the traced loss writes non-parameter model state, which the hybrid step
+  reads but does not carry from one step to the next."""
+  shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+  msg = (
+    f"the loss writes model state the hybrid step does not carry to the next step ({shown}): "
+    "BatchNorm running averages keep their initial values and dropout masks repeat every step "
+    "(its RNG counter does not advance): use such layers in eval mode, or feed per-step "
+    "randomness through the batch (a per-example array of noise)"
+  )
+  warnings.warn(msg, stacklevel=4)
+  log.warning("%s", msg)
 
 
 def _check_plan(

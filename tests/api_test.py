@@ -355,3 +355,31 @@ def test_step_donates_the_state(small_hybrid):
   new, _ = hy.step(state, batch)
   assert int(new.step) == 1
   assert any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+
+
+class DropoutNorm(nnx.Module):
+  """Linear, BatchNorm, Dropout, Linear: layers whose training mode writes model state."""
+
+  def __init__(self, d: int, *, rngs: nnx.Rngs, rate: float = 0.2):
+    self.inp = nnx.Linear(d, d, rngs=rngs)
+    self.bn = nnx.BatchNorm(d, rngs=rngs)
+    self.drop = nnx.Dropout(rate, rngs=rngs)
+    self.out = nnx.Linear(d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.drop(jax.nn.relu(self.bn(self.inp(x)))))
+
+
+def test_state_the_step_does_not_carry_is_named_in_one_warning():
+  batch = regression_batch(8, 8)
+  model = DropoutNorm(8, rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="dropout masks repeat every step") as rec:
+    api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")
+  msgs = [str(w.message) for w in rec if "does not carry" in str(w.message)]
+  assert len(msgs) == 1 and "\n" not in msgs[0]
+  assert "bn/mean (BatchStat)" in msgs[0] and "drop/rngs/count (RngCount)" in msgs[0]
+  # In eval mode nothing is written: no warning.
+  model.eval()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")

@@ -41,12 +41,33 @@ def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scope
     # statistics) a Variable created at another one.
     p, s = jax.tree.map(lambda x: x, (p, s))
     m = nnx.merge(graphdef, p, s)
+    before = _state_values(m)
     if not scopes:
-      return loss_fn(m, batch)
-    with nnx_name_scopes(m):
-      return loss_fn(m, batch)
+      out = loss_fn(m, batch)
+    else:
+      with nnx_name_scopes(m):
+        out = loss_fn(m, batch)
+    after = _state_values(m)
+    pure.updated_state = sorted({
+      f"{path} ({kind})" for path, (kind, v) in after.items() if before.get(path, (kind, v))[1] is not v
+    })
+    return out
 
+  # What the last trace of the loss wrote into the model's non-parameter state (e.g. BatchNorm
+  # running averages, dropout's RNG counter), as 'path (VariableType)': the hybrid step reads the
+  # state and does not carry such writes to the next step.
+  pure.updated_state = []
   return graphdef, params, state, pure
+
+
+def _state_values(model: Any) -> dict[str, tuple[str, Any]]:
+  """path -> (Variable type name, value object) of every non-parameter Variable of `model`."""
+  from flax import nnx
+
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param))):
+    out["/".join(str(k) for k in path)] = (type(var).__name__, var.get_value() if hasattr(var, "get_value") else var.value)
+  return out
 
 
 class nnx_name_scopes:  # noqa: N801 (context manager used like a function)
