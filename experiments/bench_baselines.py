@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 
 
-def timeit(fn, state, batch, steps, warmup):
-  """Median seconds of `steps` calls of fn(state, batch) -> (state, metrics) after `warmup`."""
+def step_times(fn, state, batch, steps, warmup):
+  """Seconds of each of `steps` calls of fn(state, batch) -> (state, metrics) after `warmup`
+  untimed ones; returns (times, final state, last metrics)."""
   import jax
 
+  m = None
   for _ in range(warmup):
     state, m = fn(state, batch)
   jax.block_until_ready(state)
@@ -21,8 +23,14 @@ def timeit(fn, state, batch, steps, warmup):
     state, m = fn(state, batch)
     jax.block_until_ready((state, m))
     times.append(time.perf_counter() - t0)
+  return times, state, m
+
+
+def timeit(fn, state, batch, steps, warmup):
+  """Median seconds of `steps` calls of fn(state, batch) -> (state, metrics) after `warmup`."""
   import numpy as np
 
+  times, state, _ = step_times(fn, state, batch, steps, warmup)
   return float(np.median(times)), state
 
 

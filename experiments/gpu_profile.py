@@ -72,19 +72,10 @@ def _device_memory() -> dict:
 
 
 def _median_step_s(fn, carry, batch) -> tuple[float, list[float], object]:
-  import jax
+  import bench_baselines  # experiments/ (the script's folder)
   import numpy as np
 
-  out = None
-  for _ in range(_WARMUP.value):
-    carry, out = fn(carry, batch)
-  jax.block_until_ready((carry, out))
-  times = []
-  for _ in range(_STEPS.value):
-    t0 = time.perf_counter()
-    carry, out = fn(carry, batch)
-    jax.block_until_ready((carry, out))
-    times.append(time.perf_counter() - t0)
+  times, _, out = bench_baselines.step_times(fn, carry, batch, _STEPS.value, _WARMUP.value)
   return float(np.median(times)), times, out
 
 
