@@ -110,6 +110,8 @@ flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
+flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
+                     "rows, what the program's other device works on) instead of the full batch.")
 flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
 flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
 flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
@@ -201,6 +203,10 @@ def _link(work):
   return costs.Link(alpha_s=d["alpha_s"], bandwidth_bytes_s=d["bandwidth"], source="calibrated ppermute, one-core processes")
 
 
+def _load_rows(b: int, k: int) -> int:
+  return b // k if FLAGS.load_microbatch else b
+
+
 def role_single(work: pathlib.Path, name: str) -> None:
   """Profiles, plans, times one device (`_single`); with --profile_under_load rank 1 of this
   two-process job runs the model's plain step on the other core meanwhile."""
@@ -212,7 +218,8 @@ def role_single(work: pathlib.Path, name: str) -> None:
     return _single(work, name, lambda: None)
   if os.environ.get(localcluster.ENV_RANK, "0") == "1":
     spec, model = _model(name)
-    return bench_baselines.run_model_load(model, spec.loss_fn, spec.synthetic_batch(0, _batch_k(name)[0]),
+    b, k = _batch_k(name)
+    return bench_baselines.run_model_load(model, spec.loss_fn, spec.synthetic_batch(0, _load_rows(b, k)),
                                           work, name, FLAGS.budget_s)
   bench_baselines.wait_for(running, 900, fail_if=stopped)
   try:  # the plain one-device step is timed alone, as before
@@ -304,6 +311,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
     "profiled_under_load": FLAGS.profile_under_load,
+    "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
     "candidates": tuned, **chosen,
   }))
 
