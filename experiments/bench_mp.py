@@ -387,7 +387,8 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
     f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
-    f"--profile_under_load={FLAGS.profile_under_load}", f"--budget_s={FLAGS.budget_s}",
+    f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}",
+    f"--budget_s={FLAGS.budget_s}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
   ]
