@@ -271,7 +271,11 @@ def parallelize(
         "its parameters: drop params="
       )
     _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
-    g = graph_lib.trace_function(pure, p, s, spec, depth=depth, max_nodes=max_nodes)
+
+    def trace_at(spec_):
+      return graph_lib.trace_function(pure, p, s, spec_, depth=depth, max_nodes=max_nodes)
+
+    g = trace_at(spec)
     if pure.updated_state:
       _warn_state_writes(pure.updated_state)
     _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
@@ -295,7 +299,11 @@ def parallelize(
   elif graph_lib.is_linen_module(model):
     if params is None:
       raise ValueError("a linen model needs params=... (concrete, from model.init)")
-    g = graph_lib.trace(model, loss_fn, spec, params=params, depth=depth, max_nodes=max_nodes)
+
+    def trace_at(spec_):
+      return graph_lib.trace(model, loss_fn, spec_, params=params, depth=depth, max_nodes=max_nodes)
+
+    g = trace_at(spec)
     state_leaves = []
 
     def init_leaves() -> list[Any]:
@@ -350,16 +358,36 @@ def parallelize(
       **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
     plan = planner_lib.reprice(plan, planner_lib.Problem.from_graph(g, c, opts), prog.schedule)
   plan = dataclasses.replace(plan, task_schedule=prog.schedule)
+  if model_ax > 1:
+    g_whole = g if microbatches == 1 else trace_at(
+      microbatch_spec(sample_batch, global_batch, global_batch // data, per_example)[0])
+    plan = dataclasses.replace(plan, **reference_step(g_whole, c))
   return Hybrid(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
     reference_loss=reference, check=check,
   )
 
 
-def _warn_state_writes(paths: Sequence[str]) -> None:
-  """One warning when the traced loss writes non-parameter model state, which the hybrid step
-  reads but does not carry from one step to the next."""
-  shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+def reference_step(whole_batch_graph: graph_lib.OpGraph, costs: Any) -> dict[str, Any]:
+  """One device's step on the worker's whole batch in one pass (forward + backward, seconds),
+  as the Plan fields `reference_step_s` and `reference_source`.
+
+  A cost model that can time the traced loss whole (`ProfiledCostModel.whole_step_time_s`: XLA
+  fuses across nodes, as in a plain `jax.jit` step) does; otherwise the sum of its node times.
+  """
+  if hasattr(costs, "whole_step_time_s"):
+    return {"reference_step_s": float(costs.whole_step_time_s(whole_batch_graph)),
+            "reference_source": "whole-step profile"}
+  return {"reference_step_s": float(costs.step_time_s(whole_batch_graph)), "reference_source": "node sum"}
+
+
+def _warn_state_writes(written: Sequence[tuple[str, str]]) -> None:
+  """One warning when the traced loss writes non-parameter model state ((path, Variable type)
+  pairs), which the hybrid step reads but does not carry from one step to the next."""
+  kinds: dict[str, list[str]] = {}
+  for path, kind in written:
+    kinds.setdefault(kind, []).append(path)
+  shown = ", ".join(f"{len(v)} {k} (e.g. {v[0]})" for k, v in sorted(kinds.items()))
   msg = (
     f"the loss writes model state the hybrid step does not carry to the next step ({shown}): "
     "BatchNorm running averages keep their initial values and dropout masks repeat every step "

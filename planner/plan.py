@@ -90,6 +90,24 @@ class Plan:
   lockstep_baselines: Mapping[str, float] = dataclasses.field(default_factory=dict)
   # Which search found (assignment, task_schedule) and with which schedule, e.g. 'cpsat/1f1b'.
   lockstep_found_by: str = ""
+  # ---- The one-device reference (optional in schema 2; set by jaxhybrid.parallelize). ----
+  # One device running the worker's whole batch in one pass (k = 1), forward + backward, as a
+  # plain `jax.jit` step runs it: what a speedup over one device is measured against.
+  # `single_device_s` above is k micro-batches run one after another, node by node, which a
+  # user would not run. 0.0 = not priced.
+  reference_step_s: float = 0.0
+  # How: 'whole-step profile' (the traced loss timed as one compiled function, XLA fusing
+  # across nodes: costs.ProfiledCostModel.whole_step_time_s) or 'node sum' (the cost model's
+  # nodes of the whole-batch graph, e.g. analytic costs).
+  reference_source: str = ""
+
+  @property
+  def reference_speedup(self) -> float:
+    """reference_step_s / lockstep_step_s: the plan's predicted speedup over one device's plain
+    step (0.0 when either is not priced)."""
+    if not (self.reference_step_s and self.lockstep_step_s):
+      return 0.0
+    return self.reference_step_s / self.lockstep_step_s
 
   def __post_init__(self):
     object.__setattr__(self, "heuristics", types.MappingProxyType(dict(self.heuristics)))
@@ -203,6 +221,12 @@ class Plan:
         f"{self.lockstep_speedup:.3f}x, bound {self.lockstep_bound_s * 1e3:.3f} ms, found by "
         f"{self.lockstep_found_by}; baselines on the best contiguous split: "
         + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.lockstep_baselines.items()))
+    if self.reference_step_s:
+      lines.append(
+        f"  one device, whole batch in one pass ({self.reference_source}): "
+        f"{self.reference_step_s * 1e3:.3f} ms"
+        + (f"; lock-step MP speedup over it {self.reference_speedup:.3f}x"
+           if self.reference_speedup else ""))
     lines += [
       f"  costs: {self.cost_source} {self.hardware}; graph {self.graph_fingerprint}",
     ]

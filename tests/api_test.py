@@ -377,9 +377,34 @@ def test_state_the_step_does_not_carry_is_named_in_one_warning():
     api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")
   msgs = [str(w.message) for w in rec if "does not carry" in str(w.message)]
   assert len(msgs) == 1 and "\n" not in msgs[0]
-  assert "bn/mean (BatchStat)" in msgs[0] and "drop/rngs/count (RngCount)" in msgs[0]
+  assert "2 BatchStat (e.g. bn/mean)" in msgs[0] and "1 RngCount (e.g. drop/rngs/count)" in msgs[0]
   # In eval mode nothing is written: no warning.
   model.eval()
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")
+
+
+def test_plan_carries_the_one_device_reference_of_the_whole_batch(tmp_path):
+  model = TwoTowers(8, rngs=nnx.Rngs(0))
+  batch = regression_batch(8, 8)
+  hy = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", microbatches=2, costs=V100,
+                       planner="dp")
+  # The reference is one device on the whole batch in ONE pass, not the k micro-batches.
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, mse)
+  g_whole = graph_lib.trace_function(pure, p, s, api.microbatch_spec(batch, 8, 8)[0])
+  plan = hy.plan
+  assert plan.reference_source == "node sum"
+  assert plan.reference_step_s == pytest.approx(V100.step_time_s(g_whole), rel=1e-12)
+  assert plan.reference_step_s < plan.single_device_s  # k passes pay the per-op costs k times
+  assert plan.reference_speedup == pytest.approx(plan.reference_step_s / plan.lockstep_step_s)
+  assert "one device, whole batch in one pass (node sum)" in plan.summary()
+  again = type(plan).from_json(plan.to_json())
+  assert (again.reference_step_s, again.reference_source) == (plan.reference_step_s, "node sum")
+  # A cost model that times the traced loss whole is asked for that (cached: the same figure).
+  g_micro = graph_lib.trace_function(pure, p, s, api.microbatch_spec(batch, 8, 4)[0])
+  cm = costs_lib.ProfiledCostModel(g_micro, cache_dir=tmp_path, repeats=1, warmup=1)
+  hy = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", microbatches=2, costs=cm,
+                       planner="dp")
+  assert hy.plan.reference_source == "whole-step profile"
+  assert hy.plan.reference_step_s == cm.whole_step_time_s(g_whole) >= 0.0

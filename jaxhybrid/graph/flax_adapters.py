@@ -49,12 +49,12 @@ def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scope
         out = loss_fn(m, batch)
     after = _state_values(m)
     pure.updated_state = sorted({
-      f"{path} ({kind})" for path, (kind, v) in after.items() if before.get(path, (kind, v))[1] is not v
+      (path, kind) for path, (kind, v) in after.items() if before.get(path, (kind, v))[1] is not v
     })
     return out
 
   # What the last trace of the loss wrote into the model's non-parameter state (e.g. BatchNorm
-  # running averages, dropout's RNG counter), as 'path (VariableType)': the hybrid step reads the
+  # running averages, dropout's RNG counter), as (path, Variable type name): the hybrid step reads the
   # state and does not carry such writes to the next step.
   pure.updated_state = []
   return graphdef, params, state, pure

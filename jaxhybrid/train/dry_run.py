@@ -65,6 +65,8 @@ def run(config: Any) -> dict[str, Any]:
              "predicted_speedup": hybrid.plan.predicted_speedup,
              "lockstep_step_s": hybrid.plan.lockstep_step_s,
              "lockstep_speedup": hybrid.plan.lockstep_speedup,
+             "reference_step_s": hybrid.plan.reference_step_s,
+             "reference_speedup": hybrid.plan.reference_speedup,
              "memory_caps_bytes": list(hybrid.plan.memory_caps_bytes),
              "device_peak_bytes": list(hybrid.plan.device_peak_bytes)},
     "plan_memory": {k: v for k, v in plan_memory.items() if k != "lines"},
