@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from jaxhybrid.program import localcluster
 
@@ -32,3 +35,25 @@ def test_launch_gives_each_process_its_rank_flags_and_tunable(monkeypatch):
     assert localcluster.SINGLE_THREAD_XLA_FLAGS in e["XLA_FLAGS"]
   plain = localcluster.launch(["-c", _SHOW_ENV], 1, timeout_s=120, malloc_hugepages=False)
   assert json.loads(plain[0].stdout)["GLIBC_TUNABLES"] is None
+
+
+_FAIL_OR_WAIT = (
+  "import os, sys, time\n"
+  "if os.environ['JAXHYBRID_RANK'] == '0':\n"
+  "  print('rank 0 gives up', file=sys.stderr)\n"
+  "  sys.exit(3)\n"
+  "time.sleep(600)\n"
+)
+
+
+def test_a_failing_process_ends_the_job_at_once():
+  # Rank 1 would wait 600 s (as a load waits to be told to stop); rank 0's failure ends the job.
+  t0 = time.monotonic()
+  with pytest.raises(RuntimeError, match=r"failed \(rc=3\):\nrank 0 gives up"):
+    localcluster.launch(["-c", _FAIL_OR_WAIT], 2, timeout_s=900, pin=False)
+  assert time.monotonic() - t0 < 600
+
+
+def test_a_job_past_its_timeout_is_stopped():
+  with pytest.raises(RuntimeError, match="timed out after 1 s"):
+    localcluster.launch(["-c", "import time; time.sleep(600)"], 1, timeout_s=1, pin=False)

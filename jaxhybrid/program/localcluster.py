@@ -11,11 +11,18 @@ anything that starts JAX), then `worker_init()` after importing jax.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+
+# How often `launch` looks at its processes (s).
+POLL_S = 0.2
 
 ENV_RANK = "JAXHYBRID_RANK"
 ENV_NPROCS = "JAXHYBRID_NPROCS"
@@ -81,37 +88,54 @@ def launch(
   port = free_port()
   ncpu = os.cpu_count() or 1
   cores = list(cores) if cores is not None else [i % ncpu for i in range(nprocs)]
-  procs = []
-  for rank in range(nprocs):
-    env = dict(os.environ)
-    env.update({
-      ENV_RANK: str(rank), ENV_NPROCS: str(nprocs), ENV_COORD: f"127.0.0.1:{port}",
-      "JAX_PLATFORMS": "cpu",
-    })
-    flags = f"--xla_force_host_platform_device_count={devices_per_process}"
-    if pin:
-      env[ENV_CORE] = str(cores[rank % len(cores)])
-      flags += " " + SINGLE_THREAD_XLA_FLAGS
-    env["XLA_FLAGS"] = flags
-    if malloc_hugepages:
-      env = with_malloc_hugepages(env)
-    procs.append(subprocess.Popen(
-      [sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ))
-  results = []
-  try:
-    for p in procs:
-      out, err = p.communicate(timeout=timeout_s)
-      results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-  except subprocess.TimeoutExpired as e:
-    for p in procs:
-      p.kill()
-    raise RuntimeError(f"local cluster job {argv} timed out after {timeout_s:.0f} s") from e
-  bad = [r for r in results if r.returncode != 0]
-  if bad:
-    tail = "\n".join(bad[0].stderr.strip().splitlines()[-15:])
-    raise RuntimeError(f"local cluster job {list(argv)} failed (rc={bad[0].returncode}):\n{tail}")
-  return results
+  with contextlib.ExitStack() as files:
+    procs = []
+    for rank in range(nprocs):
+      env = dict(os.environ)
+      env.update({
+        ENV_RANK: str(rank), ENV_NPROCS: str(nprocs), ENV_COORD: f"127.0.0.1:{port}",
+        "JAX_PLATFORMS": "cpu",
+      })
+      flags = f"--xla_force_host_platform_device_count={devices_per_process}"
+      if pin:
+        env[ENV_CORE] = str(cores[rank % len(cores)])
+        flags += " " + SINGLE_THREAD_XLA_FLAGS
+      env["XLA_FLAGS"] = flags
+      if malloc_hugepages:
+        env = with_malloc_hugepages(env)
+      # Output goes to files, not pipes: the parent polls every process (below) and a pipe that
+      # nobody reads would block a chatty child.
+      logs = (files.enter_context(tempfile.TemporaryFile("w+")),
+              files.enter_context(tempfile.TemporaryFile("w+")))
+      procs.append((subprocess.Popen([sys.executable, *argv], env=env, stdout=logs[0], stderr=logs[1],
+                                     text=True), logs))
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    # The first process to fail ends the job: the others would otherwise wait for it (in a
+    # collective, or as a load that runs until told to stop) until the timeout.
+    while any(p.poll() is None for p, _ in procs):
+      if any(p.poll() not in (None, 0) for p, _ in procs) or time.monotonic() > deadline:
+        timed_out = not any(p.poll() not in (None, 0) for p, _ in procs)
+        for p, _ in procs:
+          if p.poll() is None:
+            p.kill()
+        break
+      time.sleep(POLL_S)
+    results = []
+    for p, (out, err) in procs:
+      p.wait()
+      out.seek(0)
+      err.seek(0)
+      results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+    if timed_out:
+      raise RuntimeError(f"local cluster job {argv} timed out after {timeout_s:.0f} s")
+    # The process that failed first on its own, not one killed for it (rank order among those).
+    bad = [r for r in results if r.returncode not in (0, -signal.SIGKILL)] or [
+      r for r in results if r.returncode != 0]
+    if bad:
+      tail = "\n".join(bad[0].stderr.strip().splitlines()[-15:])
+      raise RuntimeError(f"local cluster job {list(argv)} failed (rc={bad[0].returncode}):\n{tail}")
+    return results
 
 
 def worker_setup() -> tuple[int, int]:
