@@ -108,6 +108,7 @@ def role_trace(work: pathlib.Path) -> None:
 
 
 STEP_EVENT = "ThunkExecutor::Execute (wait for completion)"  # one per executed step (XLA:CPU)
+EXECUTE_EVENT = "ThunkExecutor::Execute"  # an execution of thunks (a step, a branch, a loop body)
 
 
 def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
@@ -121,9 +122,8 @@ def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], lis
   for e in events:
     if e.get("ph") == "X" and not e["name"].startswith("end:"):
       by_thread[e["tid"]].append(e)
-  windows = sorted((e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)
-                   for es in by_thread.values() for e in es if e["name"] == STEP_EVENT)
   thread = max(by_thread, key=lambda t: sum(e["name"].startswith("ppermute") for e in by_thread[t]))
+  windows = _step_windows(by_thread, thread)
   out, end = [], -1.0
   for e in sorted(by_thread[thread], key=lambda e: (e["ts"], -e["dur"])):
     kind = e["name"].split(".")[0]
@@ -131,6 +131,24 @@ def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], lis
       out.append((kind, e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
       end = e["ts"] + e["dur"]
   return out, windows
+
+
+def _step_windows(by_thread, thread) -> list[tuple[float, float]]:
+  """The executed steps' windows (s): each caller's wait for a step, begun earlier where XLA ran
+  the step's thunks on the calling thread itself before the wait (the wait then lasts ~0 s): at
+  the first outermost execution on the executing thread since the previous step."""
+  waits = sorted((e["ts"], e["dur"]) for es in by_thread.values() for e in es if e["name"] == STEP_EVENT)
+  outer, end = [], -1.0
+  for e in sorted(by_thread[thread], key=lambda e: (e["ts"], -e["dur"])):
+    if e["name"] == EXECUTE_EVENT and e["ts"] >= end:
+      outer.append(e["ts"])
+      end = e["ts"] + e["dur"]
+  windows, prev = [], float("-inf")
+  for t, d in waits:
+    lo = min([t] + [s for s in outer if prev <= s <= t + d])
+    windows.append((lo * 1e-6, (t + d) * 1e-6))
+    prev = t + d
+  return windows
 
 
 def _group_messages(events, messages: list[int]):

@@ -59,3 +59,16 @@ def test_groups_split_busy_and_ppermute_time_per_step(tg):
   assert got is None and pp == pytest.approx(0.6)
   with pytest.raises(RuntimeError, match="no .* events in the trace"):
     tg._measured_groups(step(0.0), [], [2, 0, 1])
+
+
+def test_step_windows_start_where_the_calling_thread_ran_the_step_itself(tg):
+  # Step 1 ran on a worker thread (tid 7) while the caller (tid 9) waited for it: the wait is
+  # the window. Step 2 ran on the calling thread's executor before a ~0 s wait: the window
+  # starts at that execution (its nested execution, a branch, does not start a step).
+  by_thread = {
+    7: [_x(tg.EXECUTE_EVENT, 120, 300), _x("ppermute.1", 200, 10),
+        _x(tg.EXECUTE_EVENT, 1000, 500), _x(tg.EXECUTE_EVENT, 1100, 50), _x("ppermute.1", 1200, 10)],
+    9: [_x(tg.STEP_EVENT, 100, 400, tid=9), _x(tg.STEP_EVENT, 1500, 0.2, tid=9)],
+  }
+  windows = tg._step_windows(by_thread, 7)
+  assert [t for w in windows for t in w] == pytest.approx([100e-6, 500e-6, 1000e-6, 1500.2e-6])
