@@ -170,34 +170,39 @@ def _group_messages(events, messages: list[int]):
   return [pp[i : i + n] for i, n in zip(starts, messages)]
 
 
-def _measured_groups(timeline, windows, messages: list[int]) -> tuple[list[dict] | None, float, float]:
-  """Averaged over the step windows: per group, busy and ppermute seconds on one device (None if
-  the trace cannot be cut into the program's groups), the time after the step's last message (the
-  last groups' tasks, the update, the all-reduce) and the step's ppermute seconds.
+def _measured_groups(timeline, windows, messages: list[int]) -> tuple[list[dict] | None, float, float, float]:
+  """Averaged over the step windows that can be cut into the program's groups (a trace may lose a
+  step's first events), else over all: per group, busy and ppermute seconds on one device (None
+  if no window can be cut), the time after the step's last message (the last groups' tasks, the
+  update, the all-reduce), the step's ppermute seconds and the windows' length.
 
   A group's busy time runs from the previous group's last message (or the step's start) to its
   first; a group without messages has busy 0 and its time counts to the next group that has.
   """
   if not windows:
     raise RuntimeError(f"no '{STEP_EVENT}' events in the trace: not XLA's CPU runtime?")
-  out = [{"busy_s": 0.0, "ppermute_s": 0.0} for _ in messages]
-  tail = ppermute = 0.0
-  cut = True
+  cut = []
   for lo, hi in windows:
     events = [ev for ev in timeline if lo <= ev[1] and ev[2] <= hi]
-    ppermute += sum(b - a for k, a, b in events if k == "ppermute") / len(windows)
     per_group = _group_messages(events, messages)
-    if per_group is None:
-      cut = False
-      continue
+    ppermute = sum(b - a for k, a, b in events if k == "ppermute")
+    if per_group is not None:
+      cut.append((lo, hi, per_group, ppermute))
+  if not cut:
+    ppermute = [sum(b - a for k, a, b in timeline if k == "ppermute" and lo <= a and b <= hi)
+                for lo, hi in windows]
+    return None, float("nan"), sum(ppermute) / len(windows), sum(hi - lo for lo, hi in windows) / len(windows)
+  out = [{"busy_s": 0.0, "ppermute_s": 0.0} for _ in messages]
+  tail = 0.0
+  for lo, hi, per_group, _ in cut:
     prev_end = lo
     for g, pp in enumerate(per_group):
       if pp:
-        out[g]["busy_s"] += (pp[0][1] - prev_end) / len(windows)
-        out[g]["ppermute_s"] += sum(b - a for _, a, b in pp) / len(windows)
+        out[g]["busy_s"] += (pp[0][1] - prev_end) / len(cut)
+        out[g]["ppermute_s"] += sum(b - a for _, a, b in pp) / len(cut)
         prev_end = pp[-1][2]
-    tail += (hi - prev_end) / len(windows)
-  return (out if cut else None), (tail if cut else float("nan")), ppermute
+    tail += (hi - prev_end) / len(cut)
+  return out, tail, sum(c[3] for c in cut) / len(cut), sum(c[1] - c[0] for c in cut) / len(cut)
 
 
 def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
@@ -250,12 +255,12 @@ def driver() -> dict:
     folder = work / f"trace_{FLAGS.model}_{rank}"
     timeline, windows = _timeline(folder)
     windows = windows[-FLAGS.trace_steps :]
-    groups, tail, pp = _measured_groups(timeline, windows, [g["messages"] for g in priced])
+    groups, tail, pp, step_s = _measured_groups(timeline, windows, [g["messages"] for g in priced])
     per_device.append(groups)
     tails.append(tail)
     ppermute.append(pp)
     steps.append(json.loads((folder / "steps.json").read_text()))
-    steps[-1]["traced_step_s"] = sum(hi - lo for lo, hi in windows) / len(windows)
+    steps[-1]["traced_step_s"] = step_s
   cut = all(d is not None for d in per_device)
   groups = [{**pr, "busy_s": [d[gi]["busy_s"] for d in per_device] if cut else None,
              "ppermute_s": [d[gi]["ppermute_s"] for d in per_device] if cut else None}

@@ -49,14 +49,19 @@ def test_groups_split_busy_and_ppermute_time_per_step(tg):
   windows = [(0.0, 2.5), (3.0, 5.5)]
   # Cut at the conditionals, and (none traced) at the messages by count: the same figures.
   for timeline in (step(0.0) + step(3.0), step(0.0, False) + step(3.0, False)):
-    got, tail, pp = tg._measured_groups(timeline, windows, [2, 0, 1])
+    got, tail, pp, step_s = tg._measured_groups(timeline, windows, [2, 0, 1])
     assert got[0]["busy_s"] == pytest.approx(1.0) and got[0]["ppermute_s"] == pytest.approx(0.3)
     assert got[1] == {"busy_s": 0.0, "ppermute_s": 0.0}
     assert got[2]["busy_s"] == pytest.approx(0.5) and got[2]["ppermute_s"] == pytest.approx(0.3)
-    assert tail == pytest.approx(0.4) and pp == pytest.approx(0.6)
+    assert tail == pytest.approx(0.4) and pp == pytest.approx(0.6) and step_s == pytest.approx(2.5)
   # Neither count matches the program's: no groups, the step's ppermute time still.
-  got, tail, pp = tg._measured_groups(step(0.0, False) + step(3.0, False), windows, [2, 2])
-  assert got is None and pp == pytest.approx(0.6)
+  got, tail, pp, step_s = tg._measured_groups(step(0.0, False) + step(3.0, False), windows, [2, 2])
+  assert got is None and pp == pytest.approx(0.6) and step_s == pytest.approx(2.5)
+  # A step whose first events the trace lost (only its last message) is left out of the averages.
+  lost = step(0.0)[-2:] + step(3.0)
+  got, tail, pp, step_s = tg._measured_groups(lost, [(0.0, 2.5), (3.0, 6.5)], [2, 0, 1])
+  assert got[0]["busy_s"] == pytest.approx(1.0) and got[2]["ppermute_s"] == pytest.approx(0.3)
+  assert tail == pytest.approx(1.4) and pp == pytest.approx(0.6) and step_s == pytest.approx(3.5)
   with pytest.raises(RuntimeError, match="no .* events in the trace"):
     tg._measured_groups(step(0.0), [], [2, 0, 1])
 
