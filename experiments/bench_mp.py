@@ -108,6 +108,8 @@ flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
+flags.DEFINE_integer("profile_flush_bytes", 0, "ProfiledCostModel flush_bytes: write this many bytes "
+                     "before every timed run (data out of the caches, as in the program).")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
@@ -244,7 +246,8 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
-                               branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
+                               branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
+                               flush_bytes=FLAGS.profile_flush_bytes)
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
@@ -289,7 +292,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
-                                    warmup_s=FLAGS.profile_warmup_s)
+                                    warmup_s=FLAGS.profile_warmup_s, flush_bytes=FLAGS.profile_flush_bytes)
   full_1dev_s = cm_full.step_time_s(g_full)
   whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
@@ -312,6 +315,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
+    "profile_flush_bytes": FLAGS.profile_flush_bytes,
     "candidates": tuned, **chosen,
   }))
 
@@ -387,6 +391,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
     f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
+    f"--profile_flush_bytes={FLAGS.profile_flush_bytes}",
     f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}",
     f"--budget_s={FLAGS.budget_s}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",

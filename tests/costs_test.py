@@ -290,6 +290,8 @@ def test_profiled_bad_arguments(tmp_path):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, branch_remat="some")
   with pytest.raises(ValueError, match="warmup_s=-1"):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, warmup_s=-1)
+  with pytest.raises(ValueError, match="flush_bytes=-1"):
+    costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, flush_bytes=-1)
 
 
 def test_timing_warms_up_for_warmup_s_after_the_first_call():
@@ -466,3 +468,28 @@ def test_time_table_lists_every_node():
   g = _mlp_graph()
   table = costs.time_table(g, costs.AnalyticCostModel("dgx1-v100"))
   assert "l1" in table and "l2" in table and "single-device step" in table
+
+
+def test_profiles_with_flushed_caches_are_kept_apart(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  seen = _record_time_node(monkeypatch, lambda args, kwargs: (args[1].name, kwargs["flush_bytes"]))
+  warm = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=link)
+  cold = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=1, warmup=1, link=link, flush_bytes=1 << 20)
+  warm.profile_all()
+  cold.profile_all()  # the back-to-back times in the cache are not taken for flushed ones
+  assert seen == [("l1", 0), ("l2", 0), ("l1", 1 << 20), ("l2", 1 << 20)]
+  keys = set(json.loads(warm.cache_path.read_text())["nodes"])
+  assert keys == {g.node_fingerprint(n) + suffix for n in g.nodes for suffix in ("", "|flush=1048576")}
+
+
+def test_flushing_between_timed_runs_writes_one_buffer_in_place():
+  from jaxhybrid.costs import timing
+
+  calls = []
+  t = timing.median_time_s(lambda: calls.append(1) or jnp.zeros(()), warmup=1, repeats=3, flush_bytes=1 << 16)
+  assert t >= 0 and len(calls) == 4
+  flush = timing._Flush.of(1 << 16)
+  before = flush.buf.unsafe_buffer_pointer()
+  flush()
+  assert flush.buf.unsafe_buffer_pointer() == before and float(flush.buf[0]) == 5.0  # 4 calls + this one

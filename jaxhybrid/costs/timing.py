@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.extend as jex
@@ -42,17 +42,47 @@ def _is_float(aval: Any) -> bool:
   )
 
 
-def median_time_s(fn: Callable[[], Any], *, warmup: int, repeats: int, warmup_s: float = 0.0) -> float:
+class _Flush:
+  """Writes a buffer of `nbytes` in place (donated, so nothing is allocated): between timed
+  calls it evicts the timed function's data from the core's caches."""
+
+  _made: ClassVar[dict[int, _Flush]] = {}
+
+  def __init__(self, nbytes: int):
+    self.buf = jnp.zeros((max(1, nbytes // 4),), jnp.float32)
+    self.step = jax.jit(lambda z: z + 1.0, donate_argnums=0)
+
+  @classmethod
+  def of(cls, nbytes: int) -> _Flush:
+    if nbytes not in cls._made:
+      cls._made[nbytes] = cls(nbytes)
+    return cls._made[nbytes]
+
+  def __call__(self) -> None:
+    self.buf = jax.block_until_ready(self.step(self.buf))
+
+
+def median_time_s(
+  fn: Callable[[], Any], *, warmup: int, repeats: int, warmup_s: float = 0.0, flush_bytes: int = 0,
+) -> float:
   """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls, and more
-  untimed calls until those after the first (which may compile) have taken `warmup_s` seconds."""
+  untimed calls until those after the first (which may compile) have taken `warmup_s` seconds.
+
+  flush_bytes: before every call, write a buffer of this many bytes (untimed), so that each
+  timed call starts with its data out of the caches, as a task does that runs after other work
+  (0: back to back, the data warm from the previous call).
+  """
+  flush = _Flush.of(flush_bytes) if flush_bytes > 0 else (lambda: None)
   calls, start = 0, 0.0
   while calls < warmup or time.perf_counter() - start < warmup_s:
+    flush()
     jax.block_until_ready(fn())
     calls += 1
     if calls == 1:
       start = time.perf_counter()
   times = []
   for _ in range(repeats):
+    flush()
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
@@ -116,7 +146,7 @@ def _param_positions(graph: graph_lib.OpGraph, node: graph_lib.Node) -> list[boo
 
 def time_node(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
 ) -> float:
   """Compiles and times one node's forward + backward on the default device, seconds.
 
@@ -126,10 +156,10 @@ def time_node(
   program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
   across them), as in a single-device step.
   """
-  return _fused_time_s(_node_case(graph, node, seed, policy), warmup, repeats, warmup_s)
+  return _fused_time_s(_node_case(graph, node, seed, policy), warmup, repeats, warmup_s, flush_bytes)
 
 
-def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float) -> float:
+def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float, flush_bytes: int = 0) -> float:
   """Median time of a `_case`'s forward and backward compiled as one function."""
   forward, diff_args, rest, cts = case
 
@@ -138,12 +168,13 @@ def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float) -> fl
     return outs if vjp is None else (outs, vjp(cts))
 
   step = jax.jit(fwd_bwd)
-  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
+  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats,
+                       warmup_s=warmup_s, flush_bytes=flush_bytes)
 
 
 def time_node_tasks(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
 ) -> tuple[float, float]:
   """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
 
@@ -154,16 +185,18 @@ def time_node_tasks(
   """
   forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
   fwd = jax.jit(forward)
-  t_f = median_time_s(lambda: fwd(diff_args, rest), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
+  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes}
+  t_f = median_time_s(lambda: fwd(diff_args, rest), **kw)
   _, vjp = fwd(diff_args, rest)
   if vjp is None:
     return t_f, 0.0
   bwd = jax.jit(lambda vjp, cts: vjp(cts))
-  return t_f, median_time_s(lambda: bwd(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s)
+  return t_f, median_time_s(lambda: bwd(vjp, cts), **kw)
 
 
 def time_graph(
   graph: graph_lib.OpGraph, *, warmup: int, repeats: int, seed: int = 0, warmup_s: float = 0.0,
+  flush_bytes: int = 0,
 ) -> float:
   """Compiles and times the whole traced loss's forward + backward as one function, seconds.
 
@@ -175,7 +208,7 @@ def time_graph(
   """
   jaxpr = graph.jaxpr  # its inputs are the parameters, state and batch: only parameters differentiated
   case = _case(graph, jex.core.jaxpr_as_fun(graph.closed_jaxpr), jaxpr.invars, jaxpr.outvars, seed, None)
-  return _fused_time_s(case, warmup, repeats, warmup_s)
+  return _fused_time_s(case, warmup, repeats, warmup_s, flush_bytes)
 
 
 def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
@@ -187,7 +220,7 @@ def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
 
 def time_node_split(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
 ) -> tuple[float, float]:
   """Times `node`'s backward as a split (zero-bubble) schedule runs it: (B, W) seconds.
 
@@ -208,5 +241,5 @@ def time_node_split(
     return jax.jit(lambda vjp, cts: [g for g, p in zip(vjp(cts), is_param) if p == params])
 
   b, w = keep(False), keep(True)
-  return (median_time_s(lambda: b(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s),
-          median_time_s(lambda: w(vjp, cts), warmup=warmup, repeats=repeats, warmup_s=warmup_s))
+  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes}
+  return median_time_s(lambda: b(vjp, cts), **kw), median_time_s(lambda: w(vjp, cts), **kw)
