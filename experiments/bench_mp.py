@@ -108,7 +108,7 @@ flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
-flags.DEFINE_integer("profile_flush_bytes", 64 << 20, "ProfiledCostModel flush_bytes: write this many "
+flags.DEFINE_integer("profile_flush_bytes", 0, "ProfiledCostModel flush_bytes: write this many "
                      "bytes before every timed run (data out of the caches, as in the program); 0: off.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
