@@ -124,13 +124,20 @@ def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], lis
       by_thread[e["tid"]].append(e)
   thread = max(by_thread, key=lambda t: sum(e["name"].startswith("ppermute") for e in by_thread[t]))
   windows = _step_windows(by_thread, thread)
-  out, end = [], -1.0
-  for e in sorted(by_thread[thread], key=lambda e: (e["ts"], -e["dur"])):
-    kind = e["name"].split(".")[0]
-    if kind in ("conditional", "ppermute", "all-reduce") and e["ts"] >= end:
-      out.append((kind, e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
-      end = e["ts"] + e["dur"]
+  kinds = ("conditional", "ppermute", "all-reduce")
+  out = [(e["name"].split(".")[0], e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)
+         for e in _outermost(by_thread[thread], lambda e: e["name"].split(".")[0] in kinds)]
   return out, windows
+
+
+def _outermost(events, keep) -> list[dict]:
+  """The events for which keep(e) holds that lie inside no earlier kept one, in time order."""
+  out, end = [], -1.0
+  for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+    if keep(e) and e["ts"] >= end:
+      out.append(e)
+      end = e["ts"] + e["dur"]
+  return out
 
 
 def _step_windows(by_thread, thread) -> list[tuple[float, float]]:
@@ -138,11 +145,7 @@ def _step_windows(by_thread, thread) -> list[tuple[float, float]]:
   the step's thunks on the calling thread itself before the wait (the wait then lasts ~0 s): at
   the first outermost execution on the executing thread since the previous step."""
   waits = sorted((e["ts"], e["dur"]) for es in by_thread.values() for e in es if e["name"] == STEP_EVENT)
-  outer, end = [], -1.0
-  for e in sorted(by_thread[thread], key=lambda e: (e["ts"], -e["dur"])):
-    if e["name"] == EXECUTE_EVENT and e["ts"] >= end:
-      outer.append(e["ts"])
-      end = e["ts"] + e["dur"]
+  outer = [e["ts"] for e in _outermost(by_thread[thread], lambda e: e["name"] == EXECUTE_EVENT)]
   windows, prev = [], float("-inf")
   for t, d in waits:
     lo = min([t] + [s for s in outer if prev <= s <= t + d])
