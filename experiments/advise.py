@@ -2,7 +2,7 @@ r"""Where hybrid parallelism wins: per device count the best (data, model, micro
 
   python experiments/advise.py --model=inception_v3 --hardware=dgx1-v100
   python experiments/advise.py --model=biglstm --hardware=dgx-a100 --devices=8,64,512 \
-      --planners=dp,interleaved,etf --b_noise=measured:runs/x/metrics.jsonl
+      --planners=dp,interleaved,etf --b_noise=measured:runs/x/metrics.jsonl --set time_chunks=4
 
 The model is traced at --size (abstractly), planned for every M in --mp and k in --microbatches
 with each of --planners, priced as the program runs (lock step), and checked against the device
@@ -24,6 +24,7 @@ from absl import app, flags
 from jaxhybrid import advisor, projection
 from jaxhybrid.costs import hardware
 from jaxhybrid.projection import paper_scenario
+from jaxhybrid.train import runner
 
 _MODEL = flags.DEFINE_enum("model", "inception_v3", list(paper_scenario.PAPER_MODELS), "Model.")
 _SIZE = flags.DEFINE_enum("size", "paper", ["tiny", "small", "paper"], "Size traced and planned.")
@@ -40,6 +41,8 @@ _B_NOISE_MODE = flags.DEFINE_enum("b_noise_mode", "trajectory", ["trajectory", "
                                   "Measured noise scale: integrate the run, or its mean.")
 _OVERLAP = flags.DEFINE_float("overlap", 0.0, "Fraction of the all-reduce hidden by backward.")
 _OUT = flags.DEFINE_string("out_dir", "results/advise", "Output directory.")
+_SET = flags.DEFINE_multi_string("set", [], "Model config override key=value before tracing, "
+                                 "e.g. --set time_chunks=4 (BigLSTM's layers in 4 time chunks).")
 
 
 def main(argv):
@@ -60,7 +63,7 @@ def main(argv):
   advice = advisor.advise_model(
     _MODEL.value, hardware=_HARDWARE.value, devices=[int(n) for n in _DEVICES.value],
     size=_SIZE.value, config=config, comm=projection.CommConfig(overlap=_OVERLAP.value),
-    **overrides,
+    model_overrides=dict(runner.parse_overrides(_SET.value)), **overrides,
   )
   print(advisor.format_advice(advice))
   os.makedirs(_OUT.value, exist_ok=True)

@@ -137,3 +137,42 @@ def test_advise_a_users_module():
   assert all(r is not None and r.fits for r in a.recommended)
   with pytest.raises(ValueError, match="b_noise"):
     jaxhybrid.advise(model, toy.mse_nnx, batch, config=grid)
+
+
+def test_model_overrides_reach_the_traced_model_and_the_estimate_source():
+  grid = advisor.SearchConfig(planners=("dp",), devices=(2,), microbatches=(1,))
+  plain = advisor.planned_s_mp("biglstm", size="tiny", per_worker_batch=4, hardware="dgx1-v100",
+                               config=grid)
+  chunked = advisor.planned_s_mp("biglstm", size="tiny", per_worker_batch=4,
+                                 hardware="dgx1-v100", config=grid,
+                                 model_overrides={"time_chunks": 2})
+  assert plain.model_overrides == ()
+  assert chunked.model_overrides == (("time_chunks", 2),)
+  assert "time_chunks=2" in chunked.estimate(2).source
+  assert "time_chunks" not in plain.estimate(2).source
+  # The chunked model is another graph (each LSTM layer cut in two over time), so another plan.
+  chunked_graph = advisor.planned.registry_trace_fn("biglstm", "tiny", time_chunks=2)(4)
+  plain_graph = advisor.planned.registry_trace_fn("biglstm", "tiny")(4)
+  assert len(chunked_graph.nodes) > len(plain_graph.nodes)
+  back = advisor.SMPSearch.from_json(json.loads(json.dumps(chunked.to_json())))
+  assert back.model_overrides == chunked.model_overrides
+
+
+def test_run_projection_passes_only_structural_overrides(monkeypatch):
+  from jaxhybrid.train import predict, runner
+
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def fake_advise_model(name, **kw):
+    seen.update(kw, name=name)
+    raise Stop
+
+  monkeypatch.setattr(advisor, "advise_model", fake_advise_model)
+  config = runner.RunConfig(model="biglstm", overrides=(("time_chunks", 4), ("hidden_size", 8)))
+  with pytest.raises(Stop):
+    predict.project(config, None, 2)
+  assert seen["name"] == "biglstm"
+  assert seen["model_overrides"] == {"time_chunks": 4}

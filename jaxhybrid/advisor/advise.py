@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxhybrid import projection
@@ -213,6 +213,7 @@ def advise_model(
   config: planned.SearchConfig = planned.SearchConfig(),
   comm: projection.CommConfig = projection.CommConfig(),
   found: SMPSearch | None = None,
+  model_overrides: Mapping[str, Any] | None = None,
   **workload_overrides: Any,
 ) -> Advice:
   """The advice for a paper model: its paper-scenario workload with S_MP from our planner.
@@ -225,6 +226,7 @@ def advise_model(
     config: the S_MP search grid.
     comm: all-reduce assumptions.
     found: a search already run (skips planning).
+    model_overrides: model config fields replaced before tracing (e.g. {"time_chunks": 4}).
     **workload_overrides: `paper_scenario.paper_workload` keywords (b_noise, se, step_time_s...).
   """
   from jaxhybrid.projection import paper_scenario
@@ -237,7 +239,7 @@ def advise_model(
   b = workload_overrides.get("per_gpu_batch") or pm.per_gpu_batch
   if found is None:
     found = planned.planned_s_mp(name, size=size, per_worker_batch=b, hardware=hw.name,
-                                 config=config)
+                                 config=config, model_overrides=model_overrides)
   w = paper_scenario.paper_workload(name, hw, s_mp=found.estimates(), **workload_overrides)
   return advise_workload(w, found, hw, comm, devices)
 

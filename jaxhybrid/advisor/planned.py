@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxhybrid.costs import hardware as hw_lib
@@ -90,6 +90,8 @@ class SMPSearch:
   memory_capacity_bytes: float  # usable bytes per device (memory x usable_memory_fraction)
   candidates: tuple[Candidate, ...]  # every plan tried
   config: SearchConfig
+  # Model config fields replaced before tracing (registry models), e.g. (("time_chunks", 4),).
+  model_overrides: tuple[tuple[str, Any], ...] = ()
 
   def best(self, m: int, *, fitting_only: bool = False) -> Candidate | None:
     """The fastest plan for M (among fitting plans first); None if none (fits)."""
@@ -105,7 +107,8 @@ class SMPSearch:
       return None
     return SMPEstimate(
       m=m, s_mp=c.s_mp,
-      source=(f"planner: {self.model} {self.size} b={self.per_worker_batch} on {self.hardware}, "
+      source=(f"planner: {self.model} {self.size}{_overrides_text(self.model_overrides)} "
+              f"b={self.per_worker_batch} on {self.hardware}, "
               f"best of {sum(x.m == m for x in self.candidates)} plans: M={m} k={c.k} "
               f"{c.planner} (found by {c.found_by}), {PRICING}"),
       microbatches=c.k, planner=c.planner, predicted_step_s=c.step_s,
@@ -130,9 +133,14 @@ class SMPSearch:
     fields = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in d.items() if k in fields}
     kw["candidates"] = tuple(Candidate(**c) for c in d["candidates"])
+    kw["model_overrides"] = tuple(tuple(x) for x in d.get("model_overrides", ()))
     kw["config"] = SearchConfig(**{k: tuple(v) if isinstance(v, list) else v
                                    for k, v in d["config"].items()})
     return cls(**kw)
+
+
+def _overrides_text(overrides: tuple[tuple[str, Any], ...]) -> str:
+  return "".join(f" {k}={v}" for k, v in overrides)
 
 
 # --- The two replaceable seams ---------------------------------------------------------------
@@ -171,6 +179,7 @@ def search(
   config: SearchConfig = SearchConfig(),
   model: str = "model",
   size: str = "",
+  model_overrides: tuple[tuple[str, Any], ...] = (),
 ) -> SMPSearch:
   """Plans and prices the grid for a model given as `trace_fn(micro_batch) -> OpGraph`.
 
@@ -221,7 +230,7 @@ def search(
     single_device_memory_bytes=mem1, single_device_fits=fits_memory(
       mem1, hw, config.usable_memory_fraction),
     param_bytes=int(base.total_param_bytes), memory_capacity_bytes=cap,
-    candidates=tuple(cands), config=config,
+    candidates=tuple(cands), config=config, model_overrides=tuple(model_overrides),
   )
 
 
@@ -245,7 +254,15 @@ def planned_s_mp(
   per_worker_batch: int,
   hardware: str,
   config: SearchConfig = SearchConfig(),
+  model_overrides: Mapping[str, Any] | None = None,
 ) -> SMPSearch:
-  """The S_MP search for a registry model at `size` (e.g. a paper model at paper size)."""
-  return search(registry_trace_fn(name, size), per_worker_batch=per_worker_batch,
-                hardware=hardware, config=config, model=name, size=size)
+  """The S_MP search for a registry model at `size` (e.g. a paper model at paper size).
+
+  `model_overrides` replace fields of the model's config before tracing (e.g. BigLSTM's
+  `time_chunks`, which cuts each LSTM layer into that many graph nodes over time); they are
+  recorded in the search and in every estimate's source.
+  """
+  overrides = dict(model_overrides or {})
+  return search(registry_trace_fn(name, size, **overrides), per_worker_batch=per_worker_batch,
+                hardware=hardware, config=config, model=name, size=size,
+                model_overrides=tuple(sorted(overrides.items())))

@@ -9,6 +9,12 @@ import numpy as np
 
 from jaxhybrid import mesh as mesh_lib
 
+# Model config fields a run's `--set` passes on to the paper-size projection: they change how the
+# model is cut into graph nodes (BigLSTM's and GNMT's `time_chunks`), not its size or its math.
+# The run's other overrides describe its own (usually tiny) model and are not applied at paper
+# size.
+PROJECTION_OVERRIDES = ("time_chunks",)
+
 
 def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
   """The program's per-worker step plus the ring all-reduce of the largest per-device gradient
@@ -39,6 +45,7 @@ def project(config: Any, plan: Any, model_axis: int) -> Any:
   the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
   if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
   the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
+  The run's overrides named in PROJECTION_OVERRIDES apply to the paper model too.
 
   Returns:
     (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
@@ -53,7 +60,9 @@ def project(config: Any, plan: Any, model_axis: int) -> Any:
   m = model_axis if model_axis >= 2 else 2
   search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
                                 seed=config.seed)
-  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8]).s_mp[0]
+  overrides = {k: v for k, v in getattr(config, "overrides", ()) if k in PROJECTION_OVERRIDES}
+  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8],
+                             model_overrides=overrides).s_mp[0]
   w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
   p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
   return p, est
