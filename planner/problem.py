@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxhybrid.planner import dtypes
 from jaxhybrid.planner.options import PlannerOptions
 
 # Share of a node's forward + backward time that is the forward, when a cost model gives only the
@@ -170,7 +171,7 @@ class Problem:
   # writes the instance's __dict__, which a frozen dataclass allows; fields and eq are unchanged.
   @functools.cached_property
   def _float_values(self) -> tuple[bool, ...]:
-    return tuple(bool(np.issubdtype(np.dtype(t), np.inexact)) for t in self.value_dtypes)
+    return tuple(dtypes.is_float(t) for t in self.value_dtypes)
 
   @functools.cached_property
   def _cotangent_edges(self) -> tuple[bool, ...]:

@@ -408,3 +408,54 @@ def test_plan_carries_the_one_device_reference_of_the_whole_batch(tmp_path):
                        planner="dp")
   assert hy.plan.reference_source == "whole-step profile"
   assert hy.plan.reference_step_s == cm.whole_step_time_s(g_whole) >= 0.0
+
+
+class Bf16Stack(nnx.Module):
+  """Mixed precision as users write it: float32 parameters, bfloat16 compute and activations."""
+
+  def __init__(self, d: int, *, rngs: nnx.Rngs):
+    self.layers = nnx.List([nnx.Linear(d, d, dtype=jnp.bfloat16, rngs=rngs) for _ in range(3)])
+
+  def __call__(self, x):
+    for layer in self.layers:
+      x = jax.nn.relu(layer(x))
+    return x.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_bfloat16_activations_between_devices_match_the_reference(schedule):
+  # bfloat16 is not a numpy float (np.issubdtype(bfloat16, np.inexact) is False): its
+  # activations once got no cotangent and the first step failed in the pullback.
+  from jaxhybrid.planner import dtypes
+
+  assert dtypes.is_float(jnp.bfloat16) and dtypes.is_float("bfloat16")
+  assert not dtypes.is_float(jnp.int32) and not dtypes.is_float(jnp.bool_)
+  model = Bf16Stack(16, rngs=nnx.Rngs(0))
+  batch = regression_batch(16, 16)
+  first = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", microbatches=2,
+                          costs=V100, planner="single")
+  # layers 0 and 1 on device 0, layer 2 (and the loss) on device 1: a bf16 activation goes
+  # forward and its bf16 cotangent back.
+  assignment = tuple(1 if n.name.startswith("layers/2") else 0 for n in first.graph.nodes)
+  assert set(assignment) == {0, 1}
+  plan = dataclasses.replace(first.plan, assignment=assignment, task_schedule="")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # a toy split may price below one device
+    hy = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", microbatches=2,
+                         costs=V100, plan=plan, program_options={"schedule": schedule})
+  state, losses = hy.init(), []
+  for _ in range(3):
+    state, metrics = hy.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  _, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(jnp.asarray, params)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  ref = []
+  for _ in range(3):
+    loss, grads = jax.value_and_grad(lambda p: mse(nnx.merge(graphdef, p, rest), batch))(params)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    ref.append(float(loss))
+  # bfloat16 compute on two micro-batches against one full batch: bf16 rounding, not exactness.
+  np.testing.assert_allclose(losses, ref, rtol=2e-2)
+  for a, b in zip(jax.tree.leaves(hy.params(state)), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)

@@ -33,6 +33,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import MODEL
+from jaxhybrid.planner import dtypes
 from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.program import gradients
 from jaxhybrid.program import structure as structure_lib
@@ -325,7 +326,7 @@ def run_groups(
         cts = []
         for v in node.outvars:
           a = v.aval
-          if not np.issubdtype(np.dtype(a.dtype), np.inexact):
+          if not dtypes.is_float(a.dtype):
             cts.append(np.zeros(a.shape, jax.dtypes.float0))
             continue
           ct = jnp.zeros(a.shape, a.dtype)

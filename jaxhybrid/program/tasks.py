@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
-from jaxhybrid.planner import lockstep_rule
+from jaxhybrid.planner import dtypes, lockstep_rule
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule
 
 END = -1  # the "group" of the final read (the loss)
@@ -149,7 +149,7 @@ def split_lanes(
 
 
 def _is_float(aval: Any) -> bool:
-  return np.issubdtype(np.dtype(aval.dtype), np.inexact)
+  return dtypes.is_float(aval.dtype)
 
 
 def build(
