@@ -52,11 +52,12 @@ def per_example_leaves(batch: Any, global_batch: int, shared_keys: Sequence[str]
   not in `shared_keys`.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(batch)
-  out = []
-  for path, x in flat:
-    name = str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
-    out.append(_leading(x) == global_batch and name not in shared_keys)
-  return out
+  return [_leading(x) == global_batch and _leaf_name(path) not in shared_keys for path, x in flat]
+
+
+def _leaf_name(path: Any) -> str:
+  """The last key of a leaf's path (a dict key or attribute name; '' otherwise)."""
+  return str(getattr(path[-1], "key", getattr(path[-1], "name", ""))) if path else ""
 
 
 def microbatch_spec(
@@ -169,6 +170,11 @@ class Hybrid:
     """
     return self.program.step(state, batch)
 
+  def memory(self, *, compile: bool = True):
+    """Per-device memory: predicted and XLA's compiled analysis from abstract inputs, nothing
+    allocated (`HybridProgram.memory`; `print(hybrid.memory().table())`)."""
+    return self.program.memory(compile=compile)
+
   def params(self, state: program_lib.TrainState) -> Any:
     """The parameters as the model's pytree (gathered on the host)."""
     return jax.tree.unflatten(self.graph.param_treedef, self.program.unpack(state.params))
@@ -205,6 +211,7 @@ def parallelize(
   max_nodes: int | None = graph_lib.DEFAULT_MAX_NODES,
   remat: Sequence[str] = (),
   program_options: dict[str, Any] | None = None,
+  shared_batch_keys: Sequence[str] = SHARED_BATCH_KEYS,
 ) -> Hybrid:
   """Traces, places and compiles a hybrid DP x MP train step for a Flax model.
 
@@ -228,6 +235,10 @@ def parallelize(
     remat: node names to rematerialise.
     program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes,
       branch_remat).
+    shared_batch_keys: names (last key of the leaf's path) of batch leaves that every example
+      shares, passed whole to every worker and micro-batch: a leaf is split as per-example when
+      its leading dimension equals the global batch and its name is not here (e.g. a per-class
+      weight table whose length happens to equal the batch size needs its name here).
 
   Returns:
     A `Hybrid` with `.graph`, `.plan`, `.program`, `.check`, `.init()`, `.step()`. The plan is
@@ -251,7 +262,7 @@ def parallelize(
   flat, _ = jax.tree_util.tree_flatten_with_path(sample_batch)
   sizes = [
     _leading(x) for p, x in flat
-    if _leading(x) is not None and str(getattr(p[-1], "key", "")) not in SHARED_BATCH_KEYS
+    if _leading(x) is not None and _leaf_name(p) not in shared_batch_keys
   ]
   if not sizes:
     raise ValueError("the sample batch has no leaf with a batch dimension")
@@ -262,7 +273,9 @@ def parallelize(
       f"({microbatches}): use a batch that is a multiple of {data * microbatches}"
     )
   micro = global_batch // (data * microbatches)
-  spec, per_example = microbatch_spec(sample_batch, global_batch, micro)
+  spec, per_example = microbatch_spec(
+    sample_batch, global_batch, micro,
+    per_example_leaves(sample_batch, global_batch, tuple(shared_batch_keys)))
 
   if graph_lib.is_nnx_module(model):
     if params is not None:
@@ -317,6 +330,7 @@ def parallelize(
 
   c = costs if costs is not None else default_costs(hardware)
   prog_opts = dict(program_options or {})
+  _check_program_options(prog_opts)
   check = None
   if plan is None:
     opts = dict(planner_options or {})
@@ -379,6 +393,24 @@ def reference_step(whole_batch_graph: graph_lib.OpGraph, costs: Any) -> dict[str
     return {"reference_step_s": float(costs.whole_step_time_s(whole_batch_graph)),
             "reference_source": "whole-step profile"}
   return {"reference_step_s": float(costs.step_time_s(whole_batch_graph)), "reference_source": "node sum"}
+
+
+def _check_program_options(options: dict[str, Any]) -> None:
+  """One-line errors for a misspelled program option or an unknown schedule name."""
+  import inspect
+
+  params = inspect.signature(program_lib.HybridProgram.build).parameters
+  known = sorted(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise ValueError(f"program_options {unknown} are not HybridProgram.build options: use some "
+                     f"of {', '.join(known)}")
+  from jaxhybrid.planner.task_schedule import KINDS as kinds
+
+  sched = options.get("schedule")
+  if isinstance(sched, str) and sched not in kinds:
+    raise ValueError(f"schedule={sched!r} is not a task schedule: use one of {', '.join(kinds)} "
+                     "(or pass a planner.TaskSchedule)")
 
 
 def _warn_state_writes(written: Sequence[tuple[str, str]]) -> None:

@@ -355,6 +355,19 @@ def test_step_donates_the_state(small_hybrid):
   new, _ = hy.step(state, batch)
   assert int(new.step) == 1
   assert any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+  # Reusing it is one line (XLA itself would abort the process on the deleted buffers).
+  with pytest.raises(ValueError, match="donated to an earlier step") as e:
+    hy.step(state, batch)
+  _one_line(e)
+  new, _ = hy.step(new, batch)
+  assert int(new.step) == 2
+
+
+def test_batch_missing_a_leaf_names_the_leaves_the_loss_reads(small_hybrid):
+  _, batch, hy = small_hybrid
+  with pytest.raises(ValueError, match=r"reads 2 \(\['x'\], \['y'\]\)") as e:
+    hy.step(hy.init(), {"x": batch["x"]})
+  _one_line(e)
 
 
 class DropoutNorm(nnx.Module):
@@ -459,3 +472,57 @@ def test_bfloat16_activations_between_devices_match_the_reference(schedule):
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
   for a, b in zip(jax.tree.leaves(hy.params(state)), jax.tree.leaves(params)):
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("options,match", [
+  ({"schedule": "foo"}, r"schedule='foo' is not a task schedule: use one of gpipe, 1f1b, zb"),
+  ({"schedul": "zb"}, r"program_options \['schedul'\] are not HybridProgram.build options"),
+])
+def test_bad_program_options_are_one_line(small_hybrid, options, match):
+  model, batch, _ = small_hybrid
+  with pytest.raises(ValueError, match=match) as e:
+    api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", costs=V100, planner="dp",
+                    program_options=options)
+  _one_line(e)
+
+
+class Classifier(nnx.Module):
+  def __init__(self, d: int, classes: int, *, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(d, d, rngs=rngs)
+    self.head = nnx.Linear(d, classes, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jax.nn.relu(self.hidden(x)))
+
+
+def weighted_ce(model, batch):
+  ce = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+  return jnp.mean(batch["class_weights"][batch["y"]] * ce)
+
+
+def test_shared_batch_keys_keep_a_batch_sized_table_whole():
+  # 8 classes and a global batch of 8: the weight table's leading dimension looks per-example.
+  n = classes = 8
+  r = np.random.default_rng(0)
+  batch = {"x": r.normal(size=(n, 8)).astype(np.float32),
+           "y": r.integers(0, classes, size=(n,)).astype(np.int32),
+           "class_weights": np.linspace(0.5, 2.0, classes).astype(np.float32)}
+  model = Classifier(8, classes, rngs=nnx.Rngs(0))
+  assert api.per_example_leaves(batch, n) == [True, True, True]  # the default rule splits it
+  hy = api.parallelize(model, weighted_ce, optax.sgd(0.1), batch, mesh="2x1", microbatches=2,
+                       costs=V100, planner="single", shared_batch_keys=("class_weights",))
+  assert list(hy.program.per_example) == [False, True, True]  # leaves in key order: class_weights, x, y
+  state, losses = hy.init(), []
+  for _ in range(2):
+    state, metrics = hy.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  _, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(jnp.asarray, params)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  ref = []
+  for _ in range(2):
+    loss, grads = jax.value_and_grad(
+      lambda p: weighted_ce(nnx.merge(graphdef, p, rest), batch))(params)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    ref.append(float(loss))
+  np.testing.assert_allclose(losses, ref, rtol=1e-5)

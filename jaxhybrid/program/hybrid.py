@@ -336,14 +336,30 @@ class HybridProgram:
     return self._step
 
   def step(self, ts: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One training step on a global batch; see `step_fn`."""
+    """One training step on a global batch; see `step_fn`.
+
+    Raises:
+      ValueError: the state was donated to an earlier step (its buffers are deleted; passing
+        them to XLA aborts the process instead of raising), or the batch is not the one the
+        step was compiled for.
+    """
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(ts)):
+      raise ValueError(
+        "this state was donated to an earlier step and its arrays are deleted: pass the state "
+        "the last step returned (state, metrics = step(state, batch)), or copy it first with "
+        "jax.tree.map(jnp.copy, state)"
+      )
     return self.step_fn()(ts, self.shard_batch(batch))
 
   def shard_batch(self, batch: Any) -> list[jax.Array]:
     """Puts a global batch on the mesh: per-example leaves split over 'data'."""
     leaves = jax.tree.leaves(batch)
     if len(leaves) != len(self.per_example):
-      raise ValueError(f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)}")
+      names = ", ".join(p or "batch" for p in self.graph.batch_paths)
+      raise ValueError(
+        f"batch has {len(leaves)} leaves, the traced loss reads {len(self.per_example)} "
+        f"({names}): pass a batch with the structure of the sample batch"
+      )
     W, k = self.mesh.shape[DATA], self.microbatches
     for x, pe in zip(leaves, self.per_example):
       if pe and np.shape(x)[0] % (W * k):
