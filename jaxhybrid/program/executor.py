@@ -71,6 +71,26 @@ def split_pullback(pullback: Any, args: Sequence[Any]) -> tuple[Any, list, list]
   return treedef, kinds, packed
 
 
+def _input_free_outputs(jaxpr: Any) -> list[int]:
+  """Output positions of `jaxpr` that depend on none of its inputs (e.g. the zeros
+  `jax.nn.relu`'s derivative saves: a broadcast constant as large as the activation)."""
+  dep = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex.core.Var) and v in dep for v in eqn.invars):
+      dep.update(eqn.outvars)
+  return [j for j, v in enumerate(jaxpr.outvars) if isinstance(v, jex.core.Var) and v not in dep]
+
+
+def _fresh_residuals(fn: Callable, node: Any, args: Sequence[Any]) -> list[Any]:
+  """The pullback's residual leaves made again in a backward task. Only those that depend on
+  no input are used from it (`_input_free_outputs`); XLA drops the rest of this forward, so the
+  arguments B does not keep are zeros."""
+  full = [jnp.zeros(v.aval.shape, v.aval.dtype) if a is None else a
+          for a, v in zip(args, node.invars)]
+  _, pb = jax.vjp(fn, *full)
+  return split_pullback(pb, full)[2]
+
+
 # Residual shapes per graph, shared by every NodeCalls of that graph: they depend on the node, its
 # input shapes, branch_remat and the conv layout only, not on the placement or schedule, and an
 # abstract `jax.vjp` probe costs ~0.1 s per node (the advisor prices 13 Inception-V3 plans of one
@@ -120,12 +140,24 @@ class NodeCalls:
       return packed
 
     free = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars if v not in consts]
-    avals = jax.eval_shape(probe, *free)
-    kinds = info["kinds"]
+    closed = jax.make_jaxpr(probe)(*free)
+    fresh = set(_input_free_outputs(closed.jaxpr))
+    kinds, avals, stored = [], [], {}
+    for k, i in info["kinds"]:
+      if k == "res" and i in fresh:  # made from constants alone: made again in B, not saved
+        kinds.append(("fresh", i))
+      elif k == "res":
+        if i not in stored:
+          stored[i] = len(stored)
+          avals.append(closed.out_avals[i])
+        kinds.append(("res", stored[i]))
+      else:
+        kinds.append((k, i if k != "const" else None))
     self._res[nid] = tasks_lib.Residuals(
-      kinds=tuple((k, i if k != "const" else None) for k, i in kinds),
+      kinds=tuple(kinds),
       avals=tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals),
-      consts=tuple(i if k == "const" else None for k, i in kinds),
+      consts=tuple(i if k == "const" else None for k, i in info["kinds"]),
+      stored=tuple(stored),
     )
     shared[key] = self._res[nid]
     return self._res[nid]
@@ -297,7 +329,10 @@ def run_groups(
           else:
             outs, pb = jax.vjp(calls.fn(node.id), *args)
             treedef, _, packed = split_pullback(pb, args)
-            want = calls.residuals(node.id, consts).avals
+            res = calls.residuals(node.id, consts)
+            if res.has_fresh:  # saved: res.stored; the others are made again in B
+              packed = [packed[j] for j in res.stored]
+            want = res.avals
             if [(p.shape, p.dtype) for p in packed] != [(a.shape, a.dtype) for a in want]:
               raise RuntimeError(f"internal: residuals of node {node.name} differ from the probe")
             calls.treedefs[node.id] = treedef
@@ -314,12 +349,15 @@ def run_groups(
           _, pb = jax.vjp(calls.fn(node.id), *args)
         else:
           res = calls.residuals(node.id, consts)
+          fresh = _fresh_residuals(calls.fn(node.id), node, args) if res.has_fresh else []
           leaves = []
           for kind, i in res.kinds:
             if kind == "arg":
               leaves.append(args[i])
             elif kind == "res":
               leaves.append(read(("r", node.id, c, i)))
+            elif kind == "fresh":
+              leaves.append(fresh[i])
             else:
               leaves.append(res.consts[len(leaves)])
           pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)

@@ -7,6 +7,10 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
 - gradients: a gradient row + shared leaves, accumulated over the micro-batches;
 - live buffers: the peak over the step of the task groups' output buffers and messages
   (activations, cotangents, residuals; `program.tasks.live_bytes`), which the schedule decides;
+- group peak: the largest, over groups, of those buffers plus the values the group's branch
+  makes and reads itself without returning them (`program.tasks.in_group_bytes`: an activation
+  passed to the device's next task of the group, residuals whose B runs in the same group; with
+  the whole step in one group, all of its activations);
 - gradient windows: the largest set of gradient-row windows one group's conditional returns
   (one node's parameter gradients; `program.gradients.gradient_windows`), plus the gradients a
   branch concatenates into a shared window before returning it (a leaf alone is not copied);
@@ -16,7 +20,7 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   optimizer-dependent; on the CPU Adam's keeps two row-sized buffers beyond the gradient row);
 - batch: this device's share of the global batch.
 
-Predicted total = parameters + optimizer state + gradients + batch + max(live buffers + gradient
+Predicted total = parameters + optimizer state + gradients + batch + max(group peak + gradient
 windows, update_temp): the tail runs after the last group, when the groups' buffers are dead.
 
 Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
@@ -64,6 +68,9 @@ class MemoryReport:
   owned: tuple[int, ...]
   # Row padding per device (the rows are as long as the longest device's share).
   padding: tuple[int, ...]
+  # max over groups of (live buffers + values made and read inside the group's branch); None:
+  # a report without it (the live peak alone is used).
+  group_peak: int | None = None
   compiled_arguments: int | None = None
   compiled_temp: int | None = None
   compiled_output: int | None = None
@@ -73,9 +80,10 @@ class MemoryReport:
   def predicted(self) -> int:
     # The tail (optimizer update) runs after every group: its temporaries and the groups' buffers
     # and windows are not alive at the same time.
+    peak = self.live_peak if self.group_peak is None else self.group_peak
     return (
       self.params + self.optimizer + self.gradients + self.batch
-      + max(self.live_peak + self.window, self.update_temp)
+      + max(peak + self.window, self.update_temp)
     )
 
   @property
@@ -105,6 +113,7 @@ class MemoryReport:
       ("parameters (row + shared)", self.params), ("optimizer state", self.optimizer),
       ("gradient row + shared", self.gradients), ("peak live buffers (act./res./msg.)",
                                                    self.live_peak),
+      ("peak with in-group values", self.live_peak if self.group_peak is None else self.group_peak),
       ("gradient window", self.window), ("optimizer update (compiled)", self.update_temp), ("batch shard", self.batch),
       ("predicted total", self.predicted),
     ]
@@ -252,9 +261,12 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
       compiled_arguments=int(ma.argument_size_in_bytes), compiled_temp=int(ma.temp_size_in_bytes),
       compiled_output=int(ma.output_size_in_bytes), compiled_alias=int(ma.alias_size_in_bytes),
     )
+  live = tasks_lib.live_bytes(prog.structure)
+  inner = tasks_lib.in_group_bytes(prog.structure)
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device, gradients=params,
-    live_peak=max(tasks_lib.live_bytes(prog.structure), default=0), window=window,
+    live_peak=max(live, default=0), window=window,
+    group_peak=max((a + b for a, b in zip(live, inner)), default=0),
     update_temp=update_temp_bytes(prog.optimizer, lay, last.length if last else 0, last.row_key if last else None), batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )

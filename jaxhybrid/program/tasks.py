@@ -56,12 +56,22 @@ class Residuals:
   """What F(node) saves for its backward: the pullback's leaves, classified.
 
   `kinds[j]` is ('arg', i) for the node's i-th argument (re-read in the backward), ('res', r)
-  for the r-th packed residual, or ('const', None) for a constant kept in `consts[j]`.
+  for the r-th packed residual, ('fresh', p) for the pullback's p-th array when it depends on
+  no input (made again in B from constants, never saved: `jax.nn.relu`'s derivative keeps a
+  broadcast of zeros as large as the activation), or ('const', None) for a constant kept in
+  `consts[j]`.
   """
 
   kinds: tuple[tuple[str, Any], ...]
   avals: tuple[Any, ...]  # of the packed residuals
   consts: tuple[Any, ...]  # per leaf: the constant, or None
+  # Positions, among the pullback's arrays, of the packed (saved) residuals, in packing order;
+  # () for residuals described without them (every array saved).
+  stored: tuple[int, ...] = ()
+
+  @property
+  def has_fresh(self) -> bool:
+    return any(k == "fresh" for k, _ in self.kinds)
 
   @property
   def arg_indices(self) -> tuple[int, ...]:
@@ -334,6 +344,40 @@ def build(
     schedule=schedule, groups=layouts, locs=locs, reads=reads, makes=makes, avals=avals,
     ct_sources=ct_sources, loss_keys=loss_keys, loss_device=loss_device, devices=devices,
   )
+
+
+def in_group_bytes(structure: Structure) -> list[int]:
+  """Per group, the largest device's peak bytes of values its branch makes and reads itself.
+
+  A value that no later group reads never leaves the group's conditional (it is not in the
+  group buffers `live_bytes` counts): an activation passed to the device's next task, the
+  residuals of an F whose B runs in the same group. It lives inside the branch from the task
+  that makes it to the last task of the group that reads it. With every node of a step in one
+  group (one device, one micro-batch) this is the step's whole activation and residual memory.
+  """
+  nbytes = {
+    key: int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize for key, a in structure.avals.items()
+  }
+  out = []
+  for g, lay in enumerate(structure.groups):
+    peak = 0
+    for d in range(structure.devices):
+      ops = [op for dd, op in lay.tasks if dd == d]
+      last: dict[Any, int] = {}
+      for i, op in enumerate(ops):
+        for key in structure.reads.get((d, op), ()):
+          last[key] = i
+      spans = []
+      for i, op in enumerate(ops):
+        for key in structure.makes.get((d, op), ()):
+          loc = structure.locs.get((key, d))
+          if loc is not None and loc.buf[:2] == ("out", g):
+            continue  # leaves the group: a group buffer (live_bytes)
+          spans.append((i, max(i, last.get(key, i)), nbytes.get(key, 0)))
+      for t in range(len(ops)):
+        peak = max(peak, sum(b for a, z, b in spans if a <= t <= z))
+    out.append(peak)
+  return out
 
 
 def live_bytes(structure: Structure) -> list[int]:
