@@ -146,7 +146,7 @@ def test_memory_counts_the_activations_of_a_step_kept_in_one_group():
   # Every node on one device, one micro-batch: the whole forward and backward run in one
   # group's branch, so no activation or residual leaves it. The prediction once counted none of
   # them (0.1-0.5x of XLA's compiled bytes on small CNNs and scanned stacks).
-  width, layers, rows = 256, 6, 512
+  width, layers, rows = 256, 6, 1024
   model = Stack(width, layers, rngs=nnx.Rngs(0))
   batch = regression_batch(rows, width)
   hy = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", costs=V100,

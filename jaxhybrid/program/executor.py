@@ -163,6 +163,87 @@ class NodeCalls:
     return self._res[nid]
 
 
+# Compiled temporaries of each node's tasks (memory.report), by the node's computation (its
+# fingerprint: primitives and shapes) and how it is replayed, not by graph or plan: the same
+# layer traced again for another mesh or schedule is not compiled again.
+_TASK_TEMP: dict[tuple, tuple[int, int]] = {}
+
+
+def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple[int, int]:
+  """XLA's compiled temporary bytes of node `nid`'s F task and of its B task, each compiled
+  alone from abstract inputs (nothing allocated), as the program runs them: F = `jax.vjp` of
+  the node returning its outputs and saved residuals; B = the pullback rebuilt from them and
+  applied to the output cotangents (a rematerialised node's B runs its forward again). What a
+  task needs beyond its inputs and outputs: on the CPU a convolution's backward alone can need
+  several times its activation (layout copies, padding). W tasks are taken to need what B does.
+  """
+  node = calls.graph.nodes[nid]
+  key = (calls.graph.node_fingerprint(node), tuple(v in consts for v in node.invars),
+         calls.branch_remat, calls.canonical_convs, nid in calls.remat)
+  shared = _TASK_TEMP
+  if key in shared:
+    return shared[key]
+  fn = calls.fn(nid)
+  free_vars = [v for v in node.invars if v not in consts]
+  free = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in free_vars]
+
+  def fill(xs):
+    it = iter(xs)
+    return [consts[v] if v in consts else next(it) for v in node.invars]
+
+  def zero_cts():
+    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.outvars
+            if dtypes.is_float(v.aval.dtype)]
+
+  def cts_of(xs):
+    it = iter(xs)
+    return [next(it) if dtypes.is_float(v.aval.dtype)
+            else np.zeros(v.aval.shape, jax.dtypes.float0) for v in node.outvars]
+
+  def temp(f, *avals):
+    return int(jax.jit(f).lower(*avals).compile().memory_analysis().temp_size_in_bytes)
+
+  if nid in calls.remat:
+    t_f = temp(lambda *xs: fn(*fill(xs)), *free)
+
+    def b_remat(xs, cts):
+      _, pb = jax.vjp(fn, *fill(xs))
+      return pb(cts_of(cts))
+
+    t_b = temp(b_remat, free, zero_cts())
+  else:
+    res = calls.residuals(nid, consts)
+    info: dict[str, Any] = {}
+
+    def f_task(*xs):
+      args = fill(xs)
+      outs, pb = jax.vjp(fn, *args)
+      info["treedef"], _, packed = split_pullback(pb, args)
+      return outs, ([packed[j] for j in res.stored] if res.has_fresh else packed)
+
+    t_f = temp(f_task, *free)
+
+    def b_task(xs, saved, cts):
+      args = fill(xs)
+      fresh = _fresh_residuals(fn, node, args) if res.has_fresh else []
+      leaves = []
+      for kind, i in res.kinds:
+        if kind == "arg":
+          leaves.append(args[i])
+        elif kind == "res":
+          leaves.append(saved[i])
+        elif kind == "fresh":
+          leaves.append(fresh[i])
+        else:
+          leaves.append(res.consts[len(leaves)])
+      return jax.tree.unflatten(info["treedef"], leaves)(cts_of(cts))
+
+    saved = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res.avals]
+    t_b = temp(b_task, free, saved, zero_cts())
+  shared[key] = (t_f, t_b)
+  return shared[key]
+
+
 def structure_for(
   graph: graph_lib.OpGraph,
   assignment: Sequence[int],

@@ -346,14 +346,19 @@ def build(
   )
 
 
-def in_group_bytes(structure: Structure) -> list[int]:
-  """Per group, the largest device's peak bytes of values its branch makes and reads itself.
+def in_group_bytes(
+  structure: Structure, task_temp: Callable[[Op], int] | None = None
+) -> list[int]:
+  """Per group, the largest device's peak bytes of values its branch makes and reads itself,
+  plus the running task's own temporaries.
 
   A value that no later group reads never leaves the group's conditional (it is not in the
   group buffers `live_bytes` counts): an activation passed to the device's next task, the
   residuals of an F whose B runs in the same group. It lives inside the branch from the task
   that makes it to the last task of the group that reads it. With every node of a step in one
   group (one device, one micro-batch) this is the step's whole activation and residual memory.
+  `task_temp(op)`: what the task needs beyond its inputs and outputs while it runs (e.g.
+  `executor.task_temp_bytes`, compiled); None counts nothing.
   """
   nbytes = {
     key: int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize for key, a in structure.avals.items()
@@ -374,8 +379,9 @@ def in_group_bytes(structure: Structure) -> list[int]:
           if loc is not None and loc.buf[:2] == ("out", g):
             continue  # leaves the group: a group buffer (live_bytes)
           spans.append((i, max(i, last.get(key, i)), nbytes.get(key, 0)))
-      for t in range(len(ops)):
-        peak = max(peak, sum(b for a, z, b in spans if a <= t <= z))
+      for t, op in enumerate(ops):
+        own = task_temp(op) if task_temp is not None else 0
+        peak = max(peak, own + sum(b for a, z, b in spans if a <= t <= z))
     out.append(peak)
   return out
 
