@@ -71,24 +71,29 @@ def split_pullback(pullback: Any, args: Sequence[Any]) -> tuple[Any, list, list]
   return treedef, kinds, packed
 
 
-def _input_free_outputs(jaxpr: Any) -> list[int]:
-  """Output positions of `jaxpr` that depend on none of its inputs (e.g. the zeros
-  `jax.nn.relu`'s derivative saves: a broadcast constant as large as the activation)."""
-  dep = set(jaxpr.invars)
+def _constant_fills(jaxpr: Any) -> dict[int, tuple[Any, tuple[int, ...], str]]:
+  """Outputs of `jaxpr` that are a broadcast of a literal: position -> (value, shape, dtype).
+
+  `jax.nn.relu`'s derivative keeps `broadcast_in_dim 0.0` as large as the activation among the
+  pullback's arrays; the backward makes it again (`jnp.full`) instead of saving it. Only this
+  form is recognised: an input-free value computed inside a loop (a scan's stacked constant)
+  would cost the loop again.
+  """
+  made = {}
   for eqn in jaxpr.eqns:
-    if any(isinstance(v, jex.core.Var) and v in dep for v in eqn.invars):
-      dep.update(eqn.outvars)
-  return [j for j, v in enumerate(jaxpr.outvars) if isinstance(v, jex.core.Var) and v not in dep]
+    if (eqn.primitive.name == "broadcast_in_dim" and len(eqn.invars) == 1
+        and isinstance(eqn.invars[0], jex.core.Literal)):
+      made[eqn.outvars[0]] = eqn.invars[0].val
+  out = {}
+  for j, v in enumerate(jaxpr.outvars):
+    if isinstance(v, jex.core.Var) and v in made:
+      out[j] = (np.asarray(made[v]).item(), tuple(v.aval.shape), np.dtype(v.aval.dtype).name)
+  return out
 
 
-def _fresh_residuals(fn: Callable, node: Any, args: Sequence[Any]) -> list[Any]:
-  """The pullback's residual leaves made again in a backward task. Only those that depend on
-  no input are used from it (`_input_free_outputs`); XLA drops the rest of this forward, so the
-  arguments B does not keep are zeros."""
-  full = [jnp.zeros(v.aval.shape, v.aval.dtype) if a is None else a
-          for a, v in zip(args, node.invars)]
-  _, pb = jax.vjp(fn, *full)
-  return split_pullback(pb, full)[2]
+def _fills(res: tasks_lib.Residuals) -> list[jax.Array]:
+  """The residuals `res` makes again in the backward ('fresh' kinds), in their order."""
+  return [jnp.full(shape, value, dtype) for value, shape, dtype in res.fills]
 
 
 # Residual shapes per graph, shared by every NodeCalls of that graph: they depend on the node, its
@@ -141,11 +146,12 @@ class NodeCalls:
 
     free = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars if v not in consts]
     closed = jax.make_jaxpr(probe)(*free)
-    fresh = set(_input_free_outputs(closed.jaxpr))
-    kinds, avals, stored = [], [], {}
+    const = _constant_fills(closed.jaxpr)
+    kinds, avals, stored, fills = [], [], {}, []
     for k, i in info["kinds"]:
-      if k == "res" and i in fresh:  # made from constants alone: made again in B, not saved
-        kinds.append(("fresh", i))
+      if k == "res" and i in const:  # a broadcast constant: made again in B, not saved
+        kinds.append(("fresh", len(fills)))
+        fills.append(const[i])
       elif k == "res":
         if i not in stored:
           stored[i] = len(stored)
@@ -157,7 +163,7 @@ class NodeCalls:
       kinds=tuple(kinds),
       avals=tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals),
       consts=tuple(i if k == "const" else None for k, i in info["kinds"]),
-      stored=tuple(stored),
+      stored=tuple(stored), fills=tuple(fills),
     )
     shared[key] = self._res[nid]
     return self._res[nid]
@@ -225,7 +231,7 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
 
     def b_task(xs, saved, cts):
       args = fill(xs)
-      fresh = _fresh_residuals(fn, node, args) if res.has_fresh else []
+      fresh = _fills(res)
       leaves = []
       for kind, i in res.kinds:
         if kind == "arg":
@@ -430,7 +436,7 @@ def run_groups(
           _, pb = jax.vjp(calls.fn(node.id), *args)
         else:
           res = calls.residuals(node.id, consts)
-          fresh = _fresh_residuals(calls.fn(node.id), node, args) if res.has_fresh else []
+          fresh = _fills(res)
           leaves = []
           for kind, i in res.kinds:
             if kind == "arg":

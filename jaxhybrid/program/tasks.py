@@ -56,10 +56,9 @@ class Residuals:
   """What F(node) saves for its backward: the pullback's leaves, classified.
 
   `kinds[j]` is ('arg', i) for the node's i-th argument (re-read in the backward), ('res', r)
-  for the r-th packed residual, ('fresh', p) for the pullback's p-th array when it depends on
-  no input (made again in B from constants, never saved: `jax.nn.relu`'s derivative keeps a
-  broadcast of zeros as large as the activation), or ('const', None) for a constant kept in
-  `consts[j]`.
+  for the r-th packed residual, ('fresh', f) for a broadcast constant made again in B from
+  `fills[f]` (value, shape, dtype) and never saved (`jax.nn.relu`'s derivative keeps zeros as
+  large as the activation), or ('const', None) for a constant kept in `consts[j]`.
   """
 
   kinds: tuple[tuple[str, Any], ...]
@@ -68,6 +67,7 @@ class Residuals:
   # Positions, among the pullback's arrays, of the packed (saved) residuals, in packing order;
   # () for residuals described without them (every array saved).
   stored: tuple[int, ...] = ()
+  fills: tuple[tuple[Any, tuple[int, ...], str], ...] = ()
 
   @property
   def has_fresh(self) -> bool:
