@@ -54,6 +54,15 @@ def _reference_sgd(model, loss, batch, steps, lr=0.1):
   return losses, params
 
 
+def _train(hy, batch, steps):
+  """The hybrid's state after `steps` steps on one batch, and its losses."""
+  state, losses = hy.init(), []
+  for _ in range(steps):
+    state, metrics = hy.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
 class Stack(nnx.Module):
   def __init__(self, d: int, layers: int, *, rngs: nnx.Rngs, dtype=None):
     self.layers = nnx.List([nnx.Linear(d, d, dtype=dtype, rngs=rngs) for _ in range(layers)])
@@ -85,10 +94,7 @@ def test_bfloat16_activations_between_devices_match_the_reference(schedule):
     warnings.simplefilter("ignore")  # a toy split may price below one device
     hy = api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x2", microbatches=2,
                          costs=V100, plan=plan, program_options={"schedule": schedule})
-  state, losses = hy.init(), []
-  for _ in range(3):
-    state, metrics = hy.step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = _train(hy, batch, 3)
   ref, params = _reference_sgd(model, mse, batch, 3)
   # bfloat16 compute on two micro-batches against one full batch: bf16 rounding, not exactness.
   np.testing.assert_allclose(losses, ref, rtol=2e-2)
@@ -134,10 +140,7 @@ def test_shared_batch_keys_keep_a_batch_sized_table_whole():
   hy = api.parallelize(model, weighted_ce, optax.sgd(0.1), batch, mesh="2x1", microbatches=2,
                        costs=V100, planner="single", shared_batch_keys=("class_weights",))
   assert list(hy.program.per_example) == [False, True, True]  # leaves in key order: class_weights, x, y
-  state, losses = hy.init(), []
-  for _ in range(2):
-    state, metrics = hy.step(state, batch)
-    losses.append(float(metrics["loss"]))
+  _, losses = _train(hy, batch, 2)
   ref, _ = _reference_sgd(model, weighted_ce, batch, 2)
   np.testing.assert_allclose(losses, ref, rtol=1e-5)
 
@@ -157,3 +160,10 @@ def test_memory_counts_the_activations_of_a_step_kept_in_one_group():
   # turn between the last forward and the first backward.
   assert report.group_peak - report.live_peak >= layers * rows * width * 4
   assert abs(report.error) <= 0.15, report.table()
+  # relu's derivative keeps a broadcast of zeros as large as the activation: made again in B,
+  # never saved (only the layer's boolean mask is).
+  prog = hy.program
+  consts = dict(zip(prog.graph.jaxpr.constvars, prog.graph.closed_jaxpr.consts))
+  res = prog.calls.residuals(prog.graph.nodes[0].id, consts)
+  assert res.fills == ((0.0, (rows, width), "float32"),)
+  assert [a.dtype for a in res.avals] == [jnp.bool_]

@@ -91,9 +91,23 @@ def _constant_fills(jaxpr: Any) -> dict[int, tuple[Any, tuple[int, ...], str]]:
   return out
 
 
-def _fills(res: tasks_lib.Residuals) -> list[jax.Array]:
-  """The residuals `res` makes again in the backward ('fresh' kinds), in their order."""
-  return [jnp.full(shape, value, dtype) for value, shape, dtype in res.fills]
+def pullback_leaves(
+  res: tasks_lib.Residuals, args: Sequence[Any], saved: Callable[[int], Any]
+) -> list[Any]:
+  """The pullback's leaves for a backward task: arguments, saved residuals (`saved(r)`),
+  broadcast constants made again, constants (in `res.kinds` order)."""
+  leaves = []
+  for kind, i in res.kinds:
+    if kind == "arg":
+      leaves.append(args[i])
+    elif kind == "res":
+      leaves.append(saved(i))
+    elif kind == "fresh":
+      value, shape, dtype = res.fills[i]
+      leaves.append(jnp.full(shape, value, dtype))
+    else:
+      leaves.append(res.consts[len(leaves)])
+  return leaves
 
 
 # Residual shapes per graph, shared by every NodeCalls of that graph: they depend on the node, its
@@ -230,18 +244,7 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
     t_f = temp(f_task, *free)
 
     def b_task(xs, saved, cts):
-      args = fill(xs)
-      fresh = _fills(res)
-      leaves = []
-      for kind, i in res.kinds:
-        if kind == "arg":
-          leaves.append(args[i])
-        elif kind == "res":
-          leaves.append(saved[i])
-        elif kind == "fresh":
-          leaves.append(fresh[i])
-        else:
-          leaves.append(res.consts[len(leaves)])
+      leaves = pullback_leaves(res, fill(xs), saved.__getitem__)
       return jax.tree.unflatten(info["treedef"], leaves)(cts_of(cts))
 
     saved = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res.avals]
@@ -436,17 +439,8 @@ def run_groups(
           _, pb = jax.vjp(calls.fn(node.id), *args)
         else:
           res = calls.residuals(node.id, consts)
-          fresh = _fills(res)
-          leaves = []
-          for kind, i in res.kinds:
-            if kind == "arg":
-              leaves.append(args[i])
-            elif kind == "res":
-              leaves.append(read(("r", node.id, c, i)))
-            elif kind == "fresh":
-              leaves.append(fresh[i])
-            else:
-              leaves.append(res.consts[len(leaves)])
+          leaves = pullback_leaves(
+            res, args, lambda i, n=node.id, c=c: read(("r", n, c, i)))
           pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
         cts = []
         for v in node.outvars:
