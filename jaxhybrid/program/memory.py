@@ -69,8 +69,8 @@ class MemoryReport:
   owned: tuple[int, ...]
   # Row padding per device (the rows are as long as the longest device's share).
   padding: tuple[int, ...]
-  # max over groups of (live buffers + values made and read inside the group's branch); None:
-  # a report without it (the live peak alone is used).
+  # max over groups of (live buffers + values made and read inside the group's branch + the
+  # running task's compiled temporaries); None: a report without it (the live peak is used).
   group_peak: int | None = None
   compiled_arguments: int | None = None
   compiled_temp: int | None = None
