@@ -217,7 +217,10 @@ def parallelize(
 
   Args:
     model: an `nnx.Module` (concrete) or a linen `nn.Module`.
-    loss_fn: NNX: `loss_fn(model, batch)`; linen: `loss_fn(params, batch)`; a scalar mean loss.
+    loss_fn: NNX: `loss_fn(model, batch)`; linen: `loss_fn(params, batch)`; a scalar mean loss
+      that weighs every example equally (the step averages micro-batch and worker losses with
+      equal weights: a loss divided by a data-dependent count, e.g. a masked token mean, would
+      become a mean of per-shard means).
     optimizer: an optax transformation.
     sample_batch: one GLOBAL batch (arrays or `jax.ShapeDtypeStruct`), leading dimension
       data x per-worker batch on per-example leaves.
