@@ -375,8 +375,8 @@ def audited_bound(proven: Mapping[str, float], makespan: float) -> float:
                 "the bound is not used.", name, value, makespan,
                 extra={"planner_bound_error": name})
     else:
-      if value > makespan:
-        log.warning("The %s lower bound %.9g is above the schedule's makespan %.9g by the "
-                    "solvers' tolerance; using the makespan.", name, value, makespan)
+      if value > makespan:  # rounding (often equal to 9 digits): not worth a user's warning
+        log.info("The %s lower bound %.9g is above the schedule's makespan %.9g by the "
+                 "solvers' tolerance; using the makespan.", name, value, makespan)
       valid.append(min(value, makespan))
   return max(valid, default=0.0)
