@@ -50,19 +50,26 @@ def _is_tracer(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def split_pullback(pullback: Any, args: Sequence[Any]) -> tuple[Any, list, list]:
+def split_pullback(
+  pullback: Any, args: Sequence[Any], outs: Sequence[Any] = ()
+) -> tuple[Any, list, list]:
   """A pullback's leaves classified: (treedef, kinds, packed residuals).
 
   kinds[j] is ('arg', i) when leaf j IS argument i (re-read in the backward, never packed: for
-  parameters this is what keeps the weights out of every micro-batch's residuals), ('res', r)
-  for a new array (packed), or ('const', value) for a concrete constant.
+  parameters this is what keeps the weights out of every micro-batch's residuals), ('out', i)
+  when it IS the node's output i (`jnp.tanh`'s derivative keeps its output: the backward reads
+  the activation instead of a second copy), ('res', r) for a new array (packed), or
+  ('const', value) for a concrete constant.
   """
   leaves, treedef = jax.tree.flatten(pullback)
   kinds, packed = [], []
   for leaf in leaves:
     idx = next((i for i, a in enumerate(args) if leaf is a), None)
+    out = next((i for i, o in enumerate(outs) if leaf is o), None)
     if idx is not None:
       kinds.append(("arg", idx))
+    elif out is not None:
+      kinds.append(("out", out))
     elif _is_tracer(leaf):
       kinds.append(("res", len(packed)))
       packed.append(leaf)
@@ -92,14 +99,17 @@ def _constant_fills(jaxpr: Any) -> dict[int, tuple[Any, tuple[int, ...], str]]:
 
 
 def pullback_leaves(
-  res: tasks_lib.Residuals, args: Sequence[Any], saved: Callable[[int], Any]
+  res: tasks_lib.Residuals, args: Sequence[Any], saved: Callable[[int], Any],
+  out: Callable[[int], Any],
 ) -> list[Any]:
-  """The pullback's leaves for a backward task: arguments, saved residuals (`saved(r)`),
-  broadcast constants made again, constants (in `res.kinds` order)."""
+  """The pullback's leaves for a backward task: arguments, the node's outputs (`out(i)`), saved
+  residuals (`saved(r)`), broadcast constants made again, constants (in `res.kinds` order)."""
   leaves = []
   for kind, i in res.kinds:
     if kind == "arg":
       leaves.append(args[i])
+    elif kind == "out":
+      leaves.append(out(i))
     elif kind == "res":
       leaves.append(saved(i))
     elif kind == "fresh":
@@ -153,8 +163,8 @@ class NodeCalls:
     def probe(*free):
       it = iter(free)
       args = [consts[v] if v in consts else next(it) for v in node.invars]
-      _, pb = jax.vjp(self.fn(nid), *args)
-      _, kinds, packed = split_pullback(pb, args)
+      outs, pb = jax.vjp(self.fn(nid), *args)
+      _, kinds, packed = split_pullback(pb, args, outs)
       info["kinds"] = kinds
       return packed
 
@@ -238,17 +248,18 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
     def f_task(*xs):
       args = fill(xs)
       outs, pb = jax.vjp(fn, *args)
-      info["treedef"], _, packed = split_pullback(pb, args)
+      info["treedef"], _, packed = split_pullback(pb, args, outs)
       return outs, ([packed[j] for j in res.stored] if res.has_fresh else packed)
 
     t_f = temp(f_task, *free)
 
-    def b_task(xs, saved, cts):
-      leaves = pullback_leaves(res, fill(xs), saved.__getitem__)
+    def b_task(xs, saved, outs, cts):
+      leaves = pullback_leaves(res, fill(xs), saved.__getitem__, outs.__getitem__)
       return jax.tree.unflatten(info["treedef"], leaves)(cts_of(cts))
 
     saved = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res.avals]
-    t_b = temp(b_task, free, saved, zero_cts())
+    outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.outvars]
+    t_b = temp(b_task, free, saved, outs, zero_cts())
   shared[key] = (t_f, t_b)
   return shared[key]
 
@@ -418,7 +429,7 @@ def run_groups(
             outs = calls.fn(node.id)(*args)
           else:
             outs, pb = jax.vjp(calls.fn(node.id), *args)
-            treedef, _, packed = split_pullback(pb, args)
+            treedef, _, packed = split_pullback(pb, args, outs)
             res = calls.residuals(node.id, consts)
             if res.has_fresh:  # saved: res.stored; the others are made again in B
               packed = [packed[j] for j in res.stored]
@@ -440,7 +451,8 @@ def run_groups(
         else:
           res = calls.residuals(node.id, consts)
           leaves = pullback_leaves(
-            res, args, lambda i, n=node.id, c=c: read(("r", n, c, i)))
+            res, args, lambda i, n=node.id, c=c: read(("r", n, c, i)),
+            lambda i, node=node, c=c: read(("a", node.outvars[i], c)))
           pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
         cts = []
         for v in node.outvars:

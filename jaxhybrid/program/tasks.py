@@ -55,7 +55,8 @@ class Loc:
 class Residuals:
   """What F(node) saves for its backward: the pullback's leaves, classified.
 
-  `kinds[j]` is ('arg', i) for the node's i-th argument (re-read in the backward), ('res', r)
+  `kinds[j]` is ('arg', i) for the node's i-th argument (re-read in the backward), ('out', i)
+  for its i-th output (the backward reads the activation), ('res', r)
   for the r-th packed residual, ('fresh', f) for a broadcast constant made again in B from
   `fills[f]` (value, shape, dtype) and never saved (`jax.nn.relu`'s derivative keeps zeros as
   large as the activation), or ('const', None) for a constant kept in `consts[j]`.
@@ -229,7 +230,10 @@ def build(
         ct_sources[("a", v, c)] = srcs
         cts.extend(srcs)
       own = [] if n.id in remat else [("r", n.id, c, j) for j in range(len(res[n.id].avals))]
-      reads[(d, op)] = [("a", v, c) for v in arg_vars] + cts + own
+      # Outputs the pullback keeps (kind 'out'): read as the activation, not saved twice.
+      outs = [] if n.id in remat else list(dict.fromkeys(
+        ("a", n.outvars[j], c) for kind, j in res[n.id].kinds if kind == "out"))
+      reads[(d, op)] = [("a", v, c) for v in arg_vars] + cts + own + outs
       if op.kind == "B":
         made = [("g", v, c, n.id) for v in acts[n.id] if _is_float(v.aval)]
         for key in made:
