@@ -11,7 +11,7 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   makes and reads itself without returning them (`program.tasks.in_group_bytes`: an activation
   passed to the device's next task of the group, residuals whose B runs in the same group; with
   the whole step in one group, all of its activations) plus the running task's own temporaries
-  (XLA's compiled temp of each node's F and B alone, `executor.task_temp_bytes`);
+  (XLA's compiled temp of each node's F and B alone, `node_calls.task_temp_bytes`);
 - gradient windows: the largest set of gradient-row windows one group's conditional returns
   (one node's parameter gradients; `program.gradients.gradient_windows`), plus the gradients a
   branch concatenates into a shared window before returning it (a leaf alone is not copied);
@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
-from jaxhybrid.program import executor, gradients
+from jaxhybrid.program import gradients, node_calls
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import TrainState, row_dtype
 
@@ -264,7 +264,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     )
   live = tasks_lib.live_bytes(prog.structure)
   consts = dict(zip(prog.graph.jaxpr.constvars, prog.graph.closed_jaxpr.consts))
-  temps = {n.id: executor.task_temp_bytes(prog.calls, n.id, consts) for n in prog.graph.nodes
+  temps = {n.id: node_calls.task_temp_bytes(prog.calls, n.id, consts) for n in prog.graph.nodes
            if any(op.node == n.id for ops in prog.structure.schedule.devices for op in ops)}
   inner = tasks_lib.in_group_bytes(
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])

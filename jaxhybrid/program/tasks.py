@@ -362,7 +362,7 @@ def in_group_bytes(
   that makes it to the last task of the group that reads it. With every node of a step in one
   group (one device, one micro-batch) this is the step's whole activation and residual memory.
   `task_temp(op)`: what the task needs beyond its inputs and outputs while it runs (e.g.
-  `executor.task_temp_bytes`, compiled); None counts nothing.
+  `node_calls.task_temp_bytes`, compiled); None counts nothing.
   """
   nbytes = {
     key: int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize for key, a in structure.avals.items()
