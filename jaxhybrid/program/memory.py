@@ -264,8 +264,8 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     )
   live = tasks_lib.live_bytes(prog.structure)
   consts = dict(zip(prog.graph.jaxpr.constvars, prog.graph.closed_jaxpr.consts))
-  temps = {n.id: node_calls.task_temp_bytes(prog.calls, n.id, consts) for n in prog.graph.nodes
-           if any(op.node == n.id for ops in prog.structure.schedule.devices for op in ops)}
+  scheduled = {op.node for ops in prog.structure.schedule.devices for op in ops}
+  temps = {n: node_calls.task_temp_bytes(prog.calls, n, consts) for n in sorted(scheduled)}
   inner = tasks_lib.in_group_bytes(
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])
   return MemoryReport(
