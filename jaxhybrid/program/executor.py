@@ -112,6 +112,15 @@ class Inputs:
   microbatches: list[list[jax.Array]]  # per batch leaf, per micro-batch
 
 
+def _token(dep: jax.Array | None) -> jax.Array | None:
+  """A conditional's extra output `0 * dep`, added to the loss: it makes the conditional read
+  `dep` (an element of the gradient buffers after the previous group's additions), so XLA cannot
+  run it before them, and it changes nothing (NaN when that gradient is not finite, which the
+  loss then shows). An output of its own, rather than `0 * dep` added into one of the branch's
+  arrays: that addition copied a 3 GiB window on paper BigLSTM 1x2."""
+  return None if dep is None else dep * 0
+
+
 def run_groups(
   st: tasks_lib.Structure,
   calls: NodeCalls,
@@ -162,8 +171,8 @@ def run_groups(
   def make_branch(
     gi: int, d: int, lay: tasks_lib.GroupLayout, windows: list[gradients.Window] | None
   ):
-    def branch(carry):
-      sh_g = carry
+    def branch(operand):
+      sh_g, dep = operand
       # This group's parameter gradients, in a window of this device's gradient row.
       # leaf -> its gradient from this device's gradient task (summed over repeated arguments)
       leaf_grads: dict[int, jax.Array] = {}
@@ -283,7 +292,7 @@ def run_groups(
           parts.append(jnp.zeros((lay.sizes[lane] - pos,), dt))
         outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
       if windows is None:
-        return outs, None
+        return outs, None, _token(dep)
       wins = []
       for w in windows:
         # Gradients at their offsets in the window, zeros between and around: a window that is
@@ -299,22 +308,27 @@ def run_groups(
         if w.starts[d] + w.length > pos:
           parts.append(jnp.zeros((w.starts[d] + w.length - pos,), w.dtype))
         wins.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-      return outs, (wins, sh_g)
+      return outs, (wins, sh_g), _token(dep)
 
     return branch
 
   all_windows = gradients.gradient_windows(st, g, layout)
+  dep = None  # an element of each gradient buffer the last group's windows were added into
+  tokens = None  # the sum of the conditionals' 0 * dep (see _token)
   for gi, lay in enumerate(st.groups):
     windows = all_windows[gi]
     carry_grads = windows is not None
     carry = gshared if carry_grads else []
     if M == 1:
-      outs, new = make_branch(gi, 0, lay, windows)(carry)
+      outs, new, _ = make_branch(gi, 0, lay, windows)((carry, None))
     else:
       branches = [make_branch(gi, d, lay, windows) for d in range(M)]
-      outs, new = lax.switch(me, branches, carry)
+      outs, new, tok = lax.switch(me, branches, (carry, dep))
+      if tok is not None:
+        tokens = tok if tokens is None else tokens + tok
     if carry_grads:
       wins, gshared = new
+      last: dict[str, Any] = {}
       # Add the window into this device's own row outside the conditional, in place: a whole
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):
@@ -327,6 +341,18 @@ def run_groups(
         start = lax.optimization_barrier(start)
         cur = lax.dynamic_slice(grads[w.dtype], (start,), (w.length,))
         grads[w.dtype] = lax.dynamic_update_slice(grads[w.dtype], cur + win, (start,))
+        last[w.dtype] = start
+      if M > 1 and last:
+        # The next group's conditional reads one element of each buffer just updated, so XLA
+        # adds these windows before it runs. Without a data dependence XLA's scheduler may put
+        # the adds off past later conditionals and keep every window they return alive
+        # (GNMT-small 1x2 1F1B k=4: four groups' windows at the peak). An optimization barrier
+        # does not do it: XLA:CPU removes barriers before scheduling. (On one model device the
+        # groups are not conditionals; there the same dependence made the chain's temp larger.)
+        dep = sum(
+          lax.dynamic_slice(grads[dt], (at,), (1,))[0].astype(jnp.float32)
+          for dt, at in sorted(last.items())
+        )
     for dt, buf in zip(sorted(lay.sizes), outs):
       bufs[("out", gi, dt)] = buf
     for s, dt, start, length in st.message_plan(gi):
@@ -339,6 +365,8 @@ def run_groups(
     x = lax.slice(bufs[loc.buf], (loc.offset,), (loc.offset + loc.size,)).reshape(loc.shape)
     total = x if total is None else total + x
   loss = total / k
+  if tokens is not None:  # keeps the dependences (0, or NaN when a gradient is not finite)
+    loss = loss + tokens.astype(loss.dtype)
   if M > 1:
     loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
   return loss, grads, gshared

@@ -297,7 +297,10 @@ class HybridProgram:
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
-      # from it only now, for the optimizer alone.
+      # from it only now, for the optimizer alone. The barrier keeps XLA from fusing the last
+      # window's addition into the optimizer's and the sums' passes: fused, the CPU backend
+      # made that addition again in two row-sized buffers (Adam: a row-sized square and a copy).
+      g_owned = lax.optimization_barrier(g_owned)
       g_rows = gradients.cut_rows(self.layout, g_owned)
       grads = {"owned": jax.tree.map(lambda x: x[None], g_rows), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)

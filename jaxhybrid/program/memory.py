@@ -177,6 +177,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
         cur = jax.lax.dynamic_slice(flat[dt], (at,), (window,))
         flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
     sq = gradients.sum_of_squares(flat) + gradients.sum_of_squares(g["shared"])
+    flat = jax.lax.optimization_barrier(flat)  # as the step does (hybrid.py)
     rows = gradients.cut_rows(layout, flat)
     g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
     u, o = optimizer.update(g, o, p)

@@ -24,13 +24,14 @@ import numpy as np
 
 from jaxhybrid import graph as graph_lib
 
-# Owned leaves of at least this many bytes may get a slot row of their own; None (the default)
-# makes none. Opt in with e.g. 1 << 20 (below 1 MiB a copy out of the packed row costs little
-# next to the task that reads it). Off by default because the gradient rows of several rows are
-# cut from one flat buffer before the optimizer, which on the CPU cost paper BigLSTM (AdaGrad,
-# 1x2) 1.3 GiB more per device and its fit in 16 GiB; on the uniform 8 x 1024 chain slot rows
-# made the step 8 % faster.
-SLOT_MIN_BYTES: int | None = None
+# Owned leaves of at least this many bytes get a slot row of their own (below 1 MiB a copy out
+# of the packed row costs little next to the task that reads it); None makes none. On by default
+# since the step keeps XLA from fusing the last gradient addition into the optimizer (hybrid.py):
+# before, the rows cut from one flat buffer cost paper BigLSTM (AdaGrad, 1x2) 1.3 GiB more per
+# device; now 0.04 GiB (15.03 GiB compiled), while a weight sliced out of a packed row is copied
+# by XLA, and the CPU scheduler made those copies at the start of a group's branch, all at once
+# (uniform chain 1x2 k=4: 388 -> 341 MB per device; GNMT-small 1x2 1F1B k=4: 121 -> 117 MB).
+SLOT_MIN_BYTES: int | None = 1 << 20
 # Slot rows pad each slot to its longest leaf; a slot is made only while the rows of a dtype stay
 # within this fraction above one flat row padded to the largest device (assumption, named here:
 # 5 % more parameter, gradient and optimizer bytes per device for reading weights in place).
