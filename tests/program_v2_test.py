@@ -165,6 +165,20 @@ def test_1f1b_temp_memory_falls_as_microbatches_grow():
   assert _temp_bytes("gpipe", 16) > t16
 
 
+def test_gradient_additions_are_not_put_off_past_later_groups():
+  """Each conditional after a gradient group reads the buffers its windows were added into
+  (`executor._token`), so XLA adds them before it runs instead of keeping every window alive:
+  without that, this GPipe pipeline compiled to 102 MB per device against 88 MB predicted."""
+  model = toy.Chain(width=1024, layers=8, rngs=nnx.Rngs(0))
+  batch = toy.regression_batch(64)
+  prog, _, _, _ = build(
+    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 8), 4, optax.adam(1e-3),
+    schedule="gpipe",
+  )
+  r = prog.memory()
+  assert abs(r.error) <= 0.05, r.table()
+
+
 def _tower_hybrid(schedule="1f1b", plan=None):
   from jaxhybrid import api
 

@@ -171,10 +171,12 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     if window:
       dt = row_dtype(first)
       n = dict(layout.sizes)[first]
-      for j in range(2):
-        x = jax.lax.switch((start + j) % 2, [lambda x: x, lambda x: -x], w)
-        at = base[first] + (start + j) % (n - window + 1)
-        cur = jax.lax.dynamic_slice(flat[dt], (at,), (window,))
+      # One element first (the buffer is then no longer plain zeros), then the last window: a
+      # second whole window here would be alive beside it, which the step's groups never are.
+      for j, length in enumerate((1, window)):
+        x = jax.lax.switch((start + j) % 2, [lambda x: x, lambda x: -x], w[:length])
+        at = base[first] + (start + j) % (n - length + 1)
+        cur = jax.lax.dynamic_slice(flat[dt], (at,), (length,))
         flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
     sq = gradients.sum_of_squares(flat) + gradients.sum_of_squares(g["shared"])
     flat = jax.lax.optimization_barrier(flat)  # as the step does (hybrid.py)
