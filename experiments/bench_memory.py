@@ -30,6 +30,9 @@ _MESHES = flags.DEFINE_list("model_axis", ["1", "2", "4", "8"], "M values (mesh 
 _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb"], "Task schedules.")
 _OUT = flags.DEFINE_string("out", "experiments/results/bench_memory.json", "Results JSON.")
 _BASELINES = flags.DEFINE_boolean("baselines", True, "Also compile plain-jit DP and FSDP.")
+_SLOT = flags.DEFINE_integer(
+  "slot_min_bytes", -1, "structure.SLOT_MIN_BYTES for the program: leaves of this many bytes or "
+  "more get slot rows (0: none; -1: the library default).")
 
 GiB = 2**30
 
@@ -135,6 +138,11 @@ def main(argv):
   mesh_lib.simulate_cpu_devices(8)
   import jax
 
+  from jaxhybrid.program import structure
+
+  if _SLOT.value >= 0:
+    structure.SLOT_MIN_BYTES = _SLOT.value or None
+
   rows = []
   out_path = _OUT.value
   os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
@@ -183,11 +191,13 @@ def main(argv):
             f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%} | DP {dp:8.3f} FSDP "
             f"{fsdp:8.3f}", flush=True)
       with open(out_path, "w") as f:
-        json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows)}, f, indent=1)
+        json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
+                   "slot_min_bytes": structure.SLOT_MIN_BYTES}, f, indent=1)
   summary = _summary(rows)
   print(json.dumps(summary, indent=1))
   with open(out_path, "w") as f:
-    json.dump({"rows": rows, "skipped": skipped, "summary": summary}, f, indent=1)
+    json.dump({"rows": rows, "skipped": skipped, "summary": summary,
+               "slot_min_bytes": structure.SLOT_MIN_BYTES}, f, indent=1)
 
 
 def _summary(rows):
