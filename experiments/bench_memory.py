@@ -190,14 +190,16 @@ def main(argv):
             f"(args {r.compiled_arguments / GiB:.3f}, temp {r.compiled_temp / GiB:.3f}) "
             f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%} | DP {dp:8.3f} FSDP "
             f"{fsdp:8.3f}", flush=True)
-      with open(out_path, "w") as f:
-        json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
-                   "slot_min_bytes": structure.SLOT_MIN_BYTES}, f, indent=1)
-  summary = _summary(rows)
-  print(json.dumps(summary, indent=1))
-  with open(out_path, "w") as f:
-    json.dump({"rows": rows, "skipped": skipped, "summary": summary,
-               "slot_min_bytes": structure.SLOT_MIN_BYTES}, f, indent=1)
+      _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+  print(json.dumps(_summary(rows), indent=1))
+  _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+
+
+def _write(path, rows, skipped, slot_min_bytes):
+  """The results so far (written after every row, so a cut run keeps what it measured)."""
+  with open(path, "w") as f:
+    json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
+               "slot_min_bytes": slot_min_bytes}, f, indent=1)
 
 
 def _summary(rows):

@@ -348,7 +348,8 @@ def run_groups(
         # the adds off past later conditionals and keep every window they return alive
         # (GNMT-small 1x2 1F1B k=4: four groups' windows at the peak). An optimization barrier
         # does not do it: XLA:CPU removes barriers before scheduling. (On one model device the
-        # groups are not conditionals; there the same dependence made the chain's temp larger.)
+        # groups are not conditionals; there a first form of this dependence, 0 * dep added
+        # into the next group's arrays, made the chain's temp larger.)
         dep = sum(
           lax.dynamic_slice(grads[dt], (at,), (1,))[0].astype(jnp.float32)
           for dt, at in sorted(last.items())
