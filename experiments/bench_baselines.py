@@ -1,5 +1,5 @@
 """What bench_mp times besides the hybrid program: a median step timer, the plain `jax.jit`
-training step (on this process's own device: `local_step_s`), data parallelism with every
+training step (on this process's own device: `local_carry`), data parallelism with every
 gradient in ONE flat all-reduce (the DP a user would write over slow links), and GSPMD tensor
 parallelism (`gspmd_tp_step_s`)."""
 
@@ -71,17 +71,16 @@ def bucketed_dp_step(pure, opt, mesh, carry, batch):
   return jax.jit(f, donate_argnums=0)
 
 
-def local_step_s(step, opt, params_state, batch, steps, warmup):
-  """Median step of `step` (jitted `plain_step`, compiled once by the caller and reused) on this
-  process's first local device (no collective: in a multi-process job every process can time
-  its own device at once)."""
+def local_carry(opt, params_state, batch):
+  """[carry, batch] of the plain step on this process's first local device (no collective: in a
+  multi-process job every process can time its own device at once); the carry is a copy (the
+  step donates it, and device_put onto the device an array is on aliases it)."""
   import jax
 
   local = jax.local_devices()[0]
   p, s = params_state
-  # Copies: the step donates its carry, and device_put onto the device an array is on aliases it.
   carry = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), jax.device_put((p, opt.init(p), s), local))
-  return timeit(step, carry, jax.device_put(batch, local), steps, warmup)[0]
+  return [carry, jax.device_put(batch, local)]
 
 
 def gspmd_tp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):

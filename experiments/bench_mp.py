@@ -105,9 +105,13 @@ flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each f
 flags.DEFINE_boolean("task_profiles", True, "Time each node's F and B tasks apart, as the program "
                      "runs them (ProfiledCostModel tasks=True); False: fused, F share assumed.")
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
-flags.DEFINE_integer("steps", 5, "Timed steps per configuration.")
+flags.DEFINE_integer("steps", 8, "Timed steps per configuration (per round for the candidate plans and the paired one-device step).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
+flags.DEFINE_integer("rounds", 4, "Rounds in which the multi role times every candidate plan and "
+                     "the one-device step (rotated order; each figure is the median of all its steps).")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
+flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: time each profiled "
+                   "function until its timed runs add up to this long (0: 5 runs).")
 flags.DEFINE_integer("profile_flush_bytes", 0, "ProfiledCostModel flush_bytes: write this many "
                      "bytes before every timed run (data out of the caches, as in the program); 0: off.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
@@ -246,7 +250,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
-                               branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
+                               min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
                                flush_bytes=FLAGS.profile_flush_bytes)
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
@@ -292,7 +296,8 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
-                                    warmup_s=FLAGS.profile_warmup_s, flush_bytes=FLAGS.profile_flush_bytes)
+                                    warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s,
+                                    flush_bytes=FLAGS.profile_flush_bytes)
   full_1dev_s = cm_full.step_time_s(g_full)
   whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
@@ -315,13 +320,14 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
-    "profile_flush_bytes": FLAGS.profile_flush_bytes,
+    "profile_flush_bytes": FLAGS.profile_flush_bytes, "profile_min_time_s": FLAGS.profile_min_time_s,
     "candidates": tuned, **chosen,
   }))
 
 
 def role_multi(work: pathlib.Path, name: str) -> None:
   import jax
+  import numpy as np
   import optax
 
   from jaxhybrid import api, planner
@@ -337,28 +343,52 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   # 1) the candidate plans on mesh 1x2 (best predicted first); the fastest is the run's plan
   batch = spec.synthetic_batch(0, b)
 
-  def time_plan(plan, pack):
+  def build(plan, pack):
     hy = api.parallelize(
       model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
       program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat,
                        "schedule": FLAGS.schedule},
     )
     fn = lambda st, bt: hy.program.step_fn()(st, bt)
-    return bench_baselines.timeit(fn, hy.init(), hy.program.shard_batch(batch), FLAGS.steps, FLAGS.warmup)[0]
+    return [fn, hy.init(), hy.program.shard_batch(batch)]
+
+  def time_plan(plan, pack):
+    fn, state, bt = build(plan, pack)
+    return bench_baselines.timeit(fn, state, bt, FLAGS.steps, FLAGS.warmup)[0]
 
   n = len(json.loads((work / f"single_{name}.json").read_text())["candidates"])
   plans = [planner.Plan.load(work / f"plan_{name}_{i}.json") for i in range(n)]
-  # One device, as a user would run it, timed in the same processes just before and after the
-  # plans: each process runs plain jit on its own core at the same time (both cores busy, as
-  # under the plan). Steps of the same program differ 15-25 % between runs minutes apart on
-  # this VM, so the paired ratio is the one to trust.
+  # One device, as a user would run it, timed in the same processes as the plans: each process
+  # runs plain jit on its own core at the same time (both cores busy, as under the plan). Steps
+  # of one program differ 15-50 % between minutes on this VM (session 18: the same GNMT plan
+  # 0.41 s, then 0.62 s ten minutes later in the same processes), so every configuration is
+  # timed in each of --rounds rounds, in a rotated order, and its figure is the median over all
+  # its timed steps; the per-round medians are kept beside it.
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
   step1 = jax.jit(bench_baselines.plain_step(pure, opt), donate_argnums=0)  # compiled once
-  before = bench_baselines.local_step_s(step1, opt, (p, s), batch, FLAGS.steps, FLAGS.warmup)
-  out["candidate_step_s"] = [time_plan(c, _pack_max_bytes()) for c in plans]
-  after = bench_baselines.local_step_s(step1, opt, (p, s), batch, FLAGS.steps, FLAGS.warmup)
-  out["step_s_1dev_paired_each"] = [before, after]
-  out["step_s_1dev_paired"] = (before + after) / 2
+  one = bench_baselines.local_carry(opt, (p, s), batch)
+  runs = [build(c, _pack_max_bytes()) for c in plans]
+  times: list[list[list[float]]] = [[] for _ in range(n)]
+  one_times: list[list[float]] = []
+
+  def time_one():
+    t, one[0], _ = bench_baselines.step_times(step1, one[0], one[1], FLAGS.steps, FLAGS.warmup)
+    one_times.append(t)
+
+  for r in range(max(1, FLAGS.rounds)):
+    time_one()
+    for i in [(r + j) % n for j in range(n)]:
+      fn, state, bt = runs[i]
+      t, runs[i][1], _ = bench_baselines.step_times(fn, state, bt, FLAGS.steps, FLAGS.warmup)
+      times[i].append(t)
+  time_one()
+  del runs
+  med = lambda xs: float(np.median(xs))
+  out["rounds"] = max(1, FLAGS.rounds)
+  out["candidate_step_s"] = [float(np.median(np.concatenate(t))) for t in times]
+  out["candidate_step_s_rounds"] = [[med(x) for x in t] for t in times]
+  out["step_s_1dev_paired_each"] = [med(x) for x in one_times]
+  out["step_s_1dev_paired"] = float(np.median(np.concatenate(one_times)))
   best = min(range(n), key=lambda i: out["candidate_step_s"][i])
   out["chosen_candidate"], out["step_s_plan"] = best, out["candidate_step_s"][best]
   if jax.process_index() == 0:
@@ -391,11 +421,12 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--pack_max_bytes={FLAGS.pack_max_bytes}", f"--compare_unpacked={FLAGS.compare_unpacked}",
     f"--branch_remat={FLAGS.branch_remat}", f"--autotune={FLAGS.autotune}",
     f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
+    f"--profile_min_time_s={FLAGS.profile_min_time_s}",
     f"--profile_flush_bytes={FLAGS.profile_flush_bytes}",
     f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}",
     f"--budget_s={FLAGS.budget_s}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",
-    f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--workdir={FLAGS.workdir}",
+    f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--rounds={FLAGS.rounds}", f"--workdir={FLAGS.workdir}",
   ]
   return argv + [f"--set={kv}" for kv in FLAGS.set]
 

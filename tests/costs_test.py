@@ -493,3 +493,40 @@ def test_flushing_between_timed_runs_writes_one_buffer_in_place():
   before = flush.buf.unsafe_buffer_pointer()
   flush()
   assert flush.buf.unsafe_buffer_pointer() == before and float(flush.buf[0]) == 5.0  # 4 calls + this one
+
+
+def test_median_time_keeps_timing_until_min_time(monkeypatch):
+  from jaxhybrid.costs import timing
+
+  calls = []
+
+  def fn():
+    calls.append(time.perf_counter())
+    time.sleep(0.004)
+
+  # At least `repeats` timed calls, and more until they add up to min_time_s (each sleeps 4 ms,
+  # so 0.03 s needs at least 8 of them); warm-up calls are not counted.
+  timing.median_time_s(fn, warmup=1, repeats=2, min_time_s=0.03)
+  assert len(calls) - 1 >= 8
+  calls.clear()
+  timing.median_time_s(fn, warmup=1, repeats=3)
+  assert len(calls) - 1 == 3
+  calls.clear()
+  monkeypatch.setattr(timing, "MAX_REPEATS", 5)
+  timing.median_time_s(fn, warmup=1, repeats=2, min_time_s=100.0)
+  assert len(calls) - 1 == 5
+
+
+def test_profiled_min_time_is_validated_and_cached_apart(tmp_path, monkeypatch):
+  g = _mlp_graph()
+  link = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
+  with pytest.raises(ValueError, match="min_time_s"):
+    costs.ProfiledCostModel(g, cache_dir=tmp_path, link=link, min_time_s=-1.0)
+  seen = _record_time_node(monkeypatch, lambda args, kwargs: kwargs["min_time_s"])
+  costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=2, warmup=1, link=link).profile_all()
+  timed = costs.ProfiledCostModel(g, cache_dir=tmp_path, repeats=2, warmup=1, link=link, min_time_s=0.01)
+  timed.profile_all()
+  # The longer timing is passed down and cached apart: both graphs' nodes were timed twice.
+  assert seen == [0.0, 0.0, 0.01, 0.01] and timed.measured == 2
+  keys = set(json.loads(timed.cache_path.read_text())["nodes"])
+  assert {g.node_fingerprint(n) + "|min_time=0.01" for n in g.nodes} <= keys

@@ -247,6 +247,7 @@ class ProfiledCostModel(CostModel):
     branch_remat: str = "none",
     tasks: bool = False,
     flush_bytes: int = 0,
+    min_time_s: float = 0.0,
   ):
     """Builds the model (measures nothing until a node time is asked for).
 
@@ -278,18 +279,26 @@ class ProfiledCostModel(CostModel):
         a 256-wide tanh layer's F + B at 1,024 rows took 2.4 ms back to back and 3.1 ms after
         writing 64 MiB, 1.3x; at 512 wide 1.08x). 0 (default): back to back, as before. Cached
         apart from the back-to-back times.
+      min_time_s: after `repeats` timed runs, keep timing a function until its timed runs add
+        up to this many seconds (`timing.median_time_s`; assumption). Five runs of a 3 ms node
+        span 15 ms, a moment of whatever the other core runs: on this project's 2-core VM, with
+        a second process running the model's step, the uniform chain's layer (one profile for
+        all eight layers) was 2.85 ms in one bench_mp run and 2.35 ms in the next, and the
+        plan's predicted step moved with it. 0 (default): exactly `repeats` runs. Cached apart.
 
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
     """
-    if repeats < 1 or warmup < 1 or warmup_s < 0 or flush_bytes < 0:
+    if repeats < 1 or warmup < 1 or warmup_s < 0 or flush_bytes < 0 or min_time_s < 0:
       raise ValueError(
-        f"repeats={repeats}, warmup={warmup}, warmup_s={warmup_s}, flush_bytes={flush_bytes}: "
-        "repeats and warmup must be >= 1 (warm-up compiles the node), warmup_s and flush_bytes >= 0."
+        f"repeats={repeats}, warmup={warmup}, warmup_s={warmup_s}, flush_bytes={flush_bytes}, "
+        f"min_time_s={min_time_s}: repeats and warmup must be >= 1 (warm-up compiles the node), "
+        "warmup_s, flush_bytes and min_time_s >= 0."
       )
     self.graph = graph
     self.repeats, self.warmup, self.warmup_s = repeats, warmup, float(warmup_s)
     self.flush_bytes = int(flush_bytes)
+    self.min_time_s = float(min_time_s)
     self.subtract_dispatch = subtract_dispatch
     remat.remat_policy(branch_remat)  # validates the name
     self.branch_remat = branch_remat
@@ -347,7 +356,7 @@ class ProfiledCostModel(CostModel):
       fp += f"|remat={self.branch_remat}"
     if self.tasks:
       fp += "|tasks"
-    fp += self._flush_key()
+    fp += self._timing_key()
     if fp in self._times:
       return self._times[fp]
     entry = self._load().get(fp)
@@ -358,16 +367,10 @@ class ProfiledCostModel(CostModel):
         "jax": jax.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
       }
       if self.tasks:
-        f, b = time_node_tasks(
-          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy,
-          warmup_s=self.warmup_s, flush_bytes=self.flush_bytes,
-        )
+        f, b = time_node_tasks(self.graph, node, policy=policy, **self._timing())
         entry.update(raw_s=f + b, forward_raw_s=f, backward_raw_s=b)
       else:
-        entry["raw_s"] = time_node(
-          self.graph, node, warmup=self.warmup, repeats=self.repeats, policy=policy,
-          warmup_s=self.warmup_s, flush_bytes=self.flush_bytes,
-        )
+        entry["raw_s"] = time_node(self.graph, node, policy=policy, **self._timing())
       self.measured += 1
       self._store(fp, entry)
       log.info("profiled node %s: %.3g ms", node.name, entry["raw_s"] * 1e3)
@@ -385,14 +388,13 @@ class ProfiledCostModel(CostModel):
     fp = self.graph.node_fingerprint(node) + "|split"
     if self.branch_remat != "none":
       fp += f"|remat={self.branch_remat}"
-    fp += self._flush_key()
+    fp += self._timing_key()
     if fp in self._times:
       return self._times[fp]
     entry = self._load().get(fp)
     if entry is None:
-      b, w = time_node_split(self.graph, node, warmup=self.warmup, repeats=self.repeats,
-                             policy=remat.remat_policy(self.branch_remat), warmup_s=self.warmup_s,
-                             flush_bytes=self.flush_bytes)
+      b, w = time_node_split(self.graph, node, policy=remat.remat_policy(self.branch_remat),
+                             **self._timing())
       entry = {"name": node.name, "repeats": self.repeats, "warmup_s": self.warmup_s,
                "jax": jax.__version__,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -403,8 +405,15 @@ class ProfiledCostModel(CostModel):
       [entry["input_grad_raw_s"], entry["weight_grad_raw_s"]]))
     return self._times[fp]
 
-  def _flush_key(self) -> str:
-    return f"|flush={self.flush_bytes}" if self.flush_bytes else ""
+  def _timing_key(self) -> str:
+    """The cache key's suffix for timing options that change a measured time."""
+    key = f"|flush={self.flush_bytes}" if self.flush_bytes else ""
+    return key + (f"|min_time={self.min_time_s:g}" if self.min_time_s else "")
+
+  def _timing(self) -> dict[str, Any]:
+    """The keyword arguments of every `timing` call (how many runs, warm-up, flushing)."""
+    return {"warmup": self.warmup, "repeats": self.repeats, "warmup_s": self.warmup_s,
+            "flush_bytes": self.flush_bytes, "min_time_s": self.min_time_s}
 
   def _less_dispatch(self, parts: list[float]) -> list[float]:
     """Each separately timed call less the dispatch a compiled step does not pay (if asked)."""
@@ -430,12 +439,11 @@ class ProfiledCostModel(CostModel):
     one device: `step_time_s` (the sum of the node times) misses what XLA fuses across nodes.
     """
     graph = self.graph if graph is None else graph
-    fp = hashlib.sha256(str(graph.closed_jaxpr).encode()).hexdigest()[:16] + "|whole" + self._flush_key()
+    fp = hashlib.sha256(str(graph.closed_jaxpr).encode()).hexdigest()[:16] + "|whole" + self._timing_key()
     if fp not in self._times:
       entry = self._load().get(fp)
       if entry is None:
-        raw = time_graph(graph, warmup=self.warmup, repeats=self.repeats, warmup_s=self.warmup_s,
-                         flush_bytes=self.flush_bytes)
+        raw = time_graph(graph, **self._timing())
         entry = {"name": "<whole step>", "repeats": self.repeats, "warmup_s": self.warmup_s,
                  "jax": jax.__version__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "raw_s": raw}

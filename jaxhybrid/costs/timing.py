@@ -62,8 +62,13 @@ class _Flush:
     self.buf = jax.block_until_ready(self.step(self.buf))
 
 
+# The most timed calls `median_time_s` makes to fill its `min_time_s`.
+MAX_REPEATS = 2000
+
+
 def median_time_s(
   fn: Callable[[], Any], *, warmup: int, repeats: int, warmup_s: float = 0.0, flush_bytes: int = 0,
+  min_time_s: float = 0.0,
 ) -> float:
   """Median wall time of `fn()` (blocking on its result) after `warmup` untimed calls, and more
   untimed calls until those after the first (which may compile) have taken `warmup_s` seconds.
@@ -71,6 +76,9 @@ def median_time_s(
   flush_bytes: before every call, write a buffer of this many bytes (untimed), so that each
   timed call starts with its data out of the caches, as a task does that runs after other work
   (0: back to back, the data warm from the previous call).
+  min_time_s: after `repeats` timed calls, keep timing until the timed calls add up to this
+  many seconds (at most MAX_REPEATS calls), so that the median covers more than a moment of
+  whatever else the machine runs (0: exactly `repeats` calls).
   """
   flush = _Flush.of(flush_bytes) if flush_bytes > 0 else (lambda: None)
   calls, start = 0, 0.0
@@ -80,8 +88,8 @@ def median_time_s(
     calls += 1
     if calls == 1:
       start = time.perf_counter()
-  times = []
-  for _ in range(repeats):
+  times: list[float] = []
+  while len(times) < repeats or (sum(times) < min_time_s and len(times) < MAX_REPEATS):
     flush()
     start = time.perf_counter()
     jax.block_until_ready(fn())
@@ -146,7 +154,7 @@ def _param_positions(graph: graph_lib.OpGraph, node: graph_lib.Node) -> list[boo
 
 def time_node(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0, min_time_s: float = 0.0,
 ) -> float:
   """Compiles and times one node's forward + backward on the default device, seconds.
 
@@ -156,10 +164,11 @@ def time_node(
   program's `branch_remat` runs it). Forward and backward are one compiled function (XLA fuses
   across them), as in a single-device step.
   """
-  return _fused_time_s(_node_case(graph, node, seed, policy), warmup, repeats, warmup_s, flush_bytes)
+  return _fused_time_s(_node_case(graph, node, seed, policy), warmup=warmup, repeats=repeats,
+                       warmup_s=warmup_s, flush_bytes=flush_bytes, min_time_s=min_time_s)
 
 
-def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float, flush_bytes: int = 0) -> float:
+def _fused_time_s(case: tuple, **kw: Any) -> float:
   """Median time of a `_case`'s forward and backward compiled as one function."""
   forward, diff_args, rest, cts = case
 
@@ -168,13 +177,12 @@ def _fused_time_s(case: tuple, warmup: int, repeats: int, warmup_s: float, flush
     return outs if vjp is None else (outs, vjp(cts))
 
   step = jax.jit(fwd_bwd)
-  return median_time_s(lambda: step(diff_args, rest, cts), warmup=warmup, repeats=repeats,
-                       warmup_s=warmup_s, flush_bytes=flush_bytes)
+  return median_time_s(lambda: step(diff_args, rest, cts), **kw)
 
 
 def time_node_tasks(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0, min_time_s: float = 0.0,
 ) -> tuple[float, float]:
   """Compiles and times one node's F and B tasks apart, as the task-scheduled program runs them.
 
@@ -185,7 +193,8 @@ def time_node_tasks(
   """
   forward, diff_args, rest, cts = _node_case(graph, node, seed, policy)
   fwd = jax.jit(forward)
-  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes}
+  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes,
+        "min_time_s": min_time_s}
   t_f = median_time_s(lambda: fwd(diff_args, rest), **kw)
   _, vjp = fwd(diff_args, rest)
   if vjp is None:
@@ -196,7 +205,7 @@ def time_node_tasks(
 
 def time_graph(
   graph: graph_lib.OpGraph, *, warmup: int, repeats: int, seed: int = 0, warmup_s: float = 0.0,
-  flush_bytes: int = 0,
+  flush_bytes: int = 0, min_time_s: float = 0.0,
 ) -> float:
   """Compiles and times the whole traced loss's forward + backward as one function, seconds.
 
@@ -208,7 +217,8 @@ def time_graph(
   """
   jaxpr = graph.jaxpr  # its inputs are the parameters, state and batch: only parameters differentiated
   case = _case(graph, jex.core.jaxpr_as_fun(graph.closed_jaxpr), jaxpr.invars, jaxpr.outvars, seed, None)
-  return _fused_time_s(case, warmup, repeats, warmup_s, flush_bytes)
+  return _fused_time_s(case, warmup=warmup, repeats=repeats, warmup_s=warmup_s,
+                       flush_bytes=flush_bytes, min_time_s=min_time_s)
 
 
 def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
@@ -220,7 +230,7 @@ def dispatch_time_s(*, warmup: int = 3, repeats: int = 20) -> float:
 
 def time_node_split(
   graph: graph_lib.OpGraph, node: graph_lib.Node, *, warmup: int, repeats: int, seed: int = 0,
-  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0,
+  policy: Any = None, warmup_s: float = 0.0, flush_bytes: int = 0, min_time_s: float = 0.0,
 ) -> tuple[float, float]:
   """Times `node`'s backward as a split (zero-bubble) schedule runs it: (B, W) seconds.
 
@@ -241,5 +251,6 @@ def time_node_split(
     return jax.jit(lambda vjp, cts: [g for g, p in zip(vjp(cts), is_param) if p == params])
 
   b, w = keep(False), keep(True)
-  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes}
+  kw = {"warmup": warmup, "repeats": repeats, "warmup_s": warmup_s, "flush_bytes": flush_bytes,
+        "min_time_s": min_time_s}
   return median_time_s(lambda: b(vjp, cts), **kw), median_time_s(lambda: w(vjp, cts), **kw)
