@@ -50,7 +50,10 @@ FLAGS = flags.FLAGS
 def _settings(work: pathlib.Path) -> dict:
   single = json.loads((work / f"single_{FLAGS.model}.json").read_text())
   return {"batch": single["batch"], "k": single["microbatches"], "remat": single["branch_remat"],
-          "overrides": single.get("model_overrides", {})}  # e.g. BigLSTM's time_chunks
+          "overrides": single.get("model_overrides", {}),  # e.g. BigLSTM's time_chunks
+          # how bench_mp timed the node profiles (part of their cache keys)
+          "timing": {"min_time_s": single.get("profile_min_time_s", 0.0),
+                     "flush_bytes": single.get("profile_flush_bytes", 0)}}
 
 
 def _spec(cfg: dict):
@@ -224,7 +227,7 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   link = json.loads((work / "link.json").read_text())
   cm = costs.ProfiledCostModel(
-    g, cache_dir=work / "profiles", branch_remat=cfg["remat"], tasks=True,
+    g, cache_dir=work / "profiles", branch_remat=cfg["remat"], tasks=True, **cfg["timing"],
     link=costs.Link(alpha_s=link["alpha_s"], bandwidth_bytes_s=link["bandwidth"], source="bench_mp"),
   )
   plan = planner.Plan.load(_plan_path(work))
