@@ -498,16 +498,20 @@ def test_flushing_between_timed_runs_writes_one_buffer_in_place():
 def test_median_time_keeps_timing_until_min_time(monkeypatch):
   from jaxhybrid.costs import timing
 
+  # A fake clock that moves only when `fn` runs (1/256 s a call, exact in binary), so the count
+  # of timed calls does not depend on how busy the machine is.
+  clock = {"t": 0.0}
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
   calls = []
 
   def fn():
-    calls.append(time.perf_counter())
-    time.sleep(0.004)
+    calls.append(clock["t"])
+    clock["t"] += 1 / 256
 
-  # At least `repeats` timed calls, and more until they add up to min_time_s (each sleeps 4 ms,
-  # so 0.03 s needs at least 8 of them); warm-up calls are not counted.
-  timing.median_time_s(fn, warmup=1, repeats=2, min_time_s=0.03)
-  assert len(calls) - 1 >= 8
+  # At least `repeats` timed calls, and more until they add up to min_time_s: 0.03 s needs
+  # ceil(0.03 * 256) = 8 of them; warm-up calls are not counted.
+  assert timing.median_time_s(fn, warmup=1, repeats=2, min_time_s=0.03) == 1 / 256
+  assert len(calls) - 1 == 8
   calls.clear()
   timing.median_time_s(fn, warmup=1, repeats=3)
   assert len(calls) - 1 == 3

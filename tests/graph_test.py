@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import resource
-import time
 
 import jax
 import jax.extend as jex
@@ -360,16 +359,13 @@ def _standin_loss(model, batch):
 
 def test_biglstm_sized_model_traces_abstractly():
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-  start = time.perf_counter()
   model = nnx.eval_shape(lambda: BigLSTMStandIn(rngs=nnx.Rngs(0)))
   tokens = jax.ShapeDtypeStruct((STEPS, BATCH), jnp.int32)
   g = graph.trace(model, _standin_loss, {"inputs": tokens, "targets": tokens}, depth=1)
-  seconds = time.perf_counter() - start
   rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
   n_params = sum(math.prod(a.shape) for a in g.param_avals)
   assert n_params > 1.7e9 and g.total_param_bytes > 7e9
   assert rss_growth < 1e9, f"tracing grew the peak RSS by {rss_growth / 1e9:.2f} GB"
-  assert seconds < 120, seconds  # a generous bound: it takes a few seconds
   names = [n.name for n in g.nodes]
   assert names == ["embed", "lstm0", "lstm1", "softmax"], names
   softmax = g.nodes[-1]
