@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import mip
 
 from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.milp import new_model, node_limit, proven_bound
+from jaxhybrid.planner.milp import new_model, node_limit, proven_bound, time_unit
 from jaxhybrid.planner.problem import Problem
 from jaxhybrid.planner.task_schedule import Op, TaskSchedule, validate
 
@@ -124,6 +124,8 @@ def solve(
   tasks = tasks_of(problem, k, split)
   if len(tasks) > MAX_TASKS:
     raise ValueError(f"{len(tasks)} F/B/W tasks: the MILP is for at most {MAX_TASKS}.")
+  original, unit = problem, time_unit(problem, k)  # solved in model units, not seconds
+  problem = problem.scaled_times(unit)
   n, M = problem.num_nodes, problem.devices
   dur = {t: problem.task_s(t.kind, t.node, split) for t in tasks}
   deps = {t: price_lib.fbw_dependencies(problem, t) for t in tasks}
@@ -216,7 +218,7 @@ def solve(
               <= caps[d] + total * (1 - x[t.node, d]))
   m.objective = mip.minimize(C)
   status = m.optimize(max_seconds=time_limit_s, **node_limit(max_nodes))
-  bound = proven_bound(m, 0.0)
+  bound = proven_bound(m, 0.0) / unit
   if status == mip.OptimizationStatus.INFEASIBLE:
     return FbwResult("infeasible", float("inf"), float("inf"), None, None)
   if m.num_solutions == 0:
@@ -230,9 +232,9 @@ def solve(
                        devices=tuple(tuple(ops) for ops in per_dev))
   try:
     validate(sched, n, problem.edges, assign)
-    makespan = price_lib.async_makespan(problem, assign, sched)
+    makespan = price_lib.async_makespan(original, assign, sched)
   except ValueError as err:  # ties in start times resolved badly: keep the objective only
     log.warning("F/B/W MILP order not extractable: %s", err)
-    sched, makespan = None, float(m.objective_value)
+    sched, makespan = None, float(m.objective_value) / unit
   optimal = status == mip.OptimizationStatus.OPTIMAL
   return FbwResult("optimal" if optimal else "feasible", makespan, bound, assign, sched)

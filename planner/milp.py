@@ -155,6 +155,11 @@ def solve(
   fixed = dict(fixed or {})
   warm = _canonical(warm, [i for i in range(problem.num_nodes) if i not in fixed],
                     list(interchangeable))
+  # The model is solved in units of 1/unit seconds (time_unit); results are turned back.
+  original, original_warm, unit = problem, warm, time_unit(problem, k)
+  problem, lower_bound = problem.scaled_times(unit), lower_bound * unit
+  warm = dataclasses.replace(warm, makespan=warm.makespan * unit,
+                             starts=tuple(tuple(v * unit for v in row) for row in warm.starts))
   n, M, p = problem.num_nodes, problem.devices, problem.compute_s
   T = problem.transfer_s
   head, tail = sched.heads_tails(problem)
@@ -276,7 +281,7 @@ def solve(
       # Building alone used the limit (Inception-V3 M=2 k=4: ~27k task pairs took 3.4 s on a
       # 0.7 s limit): no solve, no incumbent, no bound beyond the one given.
       log.info("pipelined MILP not solved: building it took over its %.2fs limit", time_limit_s)
-      return MilpResult(status="none", candidate=None, bound=max(lower_bound, 0.0),
+      return MilpResult(status="none", candidate=None, bound=max(lower_bound, 0.0) / unit,
                         restricted=restricted, solve_time_s=time.monotonic() - t_begin)
     if i in fixed and j in fixed:
       if fixed[i] != fixed[j]:
@@ -324,7 +329,7 @@ def solve(
   remaining = max(0.1, time_limit_s - (time.monotonic() - t_begin))
   status = m.optimize(max_seconds=remaining, **node_limit(max_nodes))
   elapsed = time.monotonic() - t_begin
-  bound = max(proven_bound(m, lower_bound), lower_bound)
+  bound = max(proven_bound(m, lower_bound), lower_bound) / unit
   if status == mip.OptimizationStatus.INFEASIBLE:
     return MilpResult(status="infeasible", candidate=None, bound=bound, restricted=restricted,
                       solve_time_s=elapsed)
@@ -334,9 +339,9 @@ def solve(
   assign = [
     fixed[i] if i in fixed else max(range(M), key=lambda d: x[i][d].x) for i in range(n)
   ]
-  cand = retimed(problem, assign, [[t[i][c].x for c in range(k)] for i in range(n)])
-  if cand.makespan > warm.makespan:
-    cand = warm
+  cand = retimed(original, assign, [[t[i][c].x / unit for c in range(k)] for i in range(n)])
+  if cand.makespan > original_warm.makespan:
+    cand = original_warm
   optimal = status == mip.OptimizationStatus.OPTIMAL and not restricted
   if optimal:
     bound = max(bound, cand.makespan * (1 - gap))
@@ -356,6 +361,20 @@ def proven_bound(m: mip.Model, default: float) -> float:
   if b is None or not math.isfinite(b) or abs(b) >= 1e300:
     return default
   return float(b)
+
+
+# Model units: the MILPs solve problems whose one-device step (k micro-batches) is about this
+# many units (Problem.scaled_times), not seconds.
+MODEL_STEP_UNITS = 1000.0
+
+
+def time_unit(problem: Problem, k: int) -> float:
+  """Model units per second for `problem` at k micro-batches: the power of two that brings its
+  one-device step nearest MODEL_STEP_UNITS (1 when it has no work)."""
+  work = k * sum(problem.compute_s)
+  if not work > 0 or not math.isfinite(work):
+    return 1.0
+  return 2.0 ** round(math.log2(MODEL_STEP_UNITS / work))
 
 
 def node_limit(max_nodes: int | None) -> dict[str, int]:

@@ -115,6 +115,8 @@ def solve(
     The bound and the relaxation's placement.
   """
   t0 = time.monotonic()
+  unit = milp.time_unit(problem, k)  # the model is solved in these units, not seconds
+  problem, lower_bound = problem.scaled_times(unit), lower_bound * unit
   n, M, p = problem.num_nodes, problem.devices, problem.compute_s
   r, q = bounds_lib.idle_bounds(problem)
   head, tail = sched.heads_tails(problem)
@@ -176,11 +178,11 @@ def solve(
   elapsed = time.monotonic() - t0
   if status == mip.OptimizationStatus.INFEASIBLE:
     return RelaxResult(bound=float("inf"), assignment=None, optimal=True, solve_time_s=elapsed)
-  bound = max(lower_bound, milp.proven_bound(m, 0.0))
+  bound = max(lower_bound, milp.proven_bound(m, 0.0)) / unit
   assignment = None
   if m.num_solutions:
     assignment = tuple(max(range(M), key=lambda d: x[i][d].x) for i in range(n))
   optimal = status == mip.OptimizationStatus.OPTIMAL
-  log.debug("relaxation n=%d k=%d M=%d status=%s bound=%.6g %.2fs", n, k, M, status.name, bound,
+  log.debug("relaxation n=%d k=%d M=%d status=%s bound=%.6g s %.2fs", n, k, M, status.name, bound,
             elapsed)
   return RelaxResult(bound=bound, assignment=assignment, optimal=optimal, solve_time_s=elapsed)
