@@ -58,6 +58,9 @@ _GAP = flags.DEFINE_float("gap", 0.01, "Relative gap tolerance.")
 _OUT = flags.DEFINE_string("out", None, "Write the cases as JSON here.")
 _FBW = flags.DEFINE_boolean(
   "fbw", False, "Run the F/B/W cases (lock-step objective, caps from the device memory) only.")
+_BOUND_SHARE = flags.DEFINE_float(
+  "lockstep_bound_share", planner.PlannerOptions.lockstep_bound_share,
+  "F/B/W cases: PlannerOptions.lockstep_bound_share (0: without the transfers bound, for A/B).")
 _PLANS_DIR = flags.DEFINE_string(
   "plans_dir", None, "Write each case's plan and problem here (default: <out>_plans/ with --out)."
 )
@@ -163,7 +166,7 @@ def _main_fbw():
   for name, graph, m, k in _grid():
     opts = planner.PlannerOptions(
       devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
-      gap=_GAP.value,
+      gap=_GAP.value, lockstep_bound_share=_BOUND_SHARE.value,
     )
     problem = planner.Problem.from_graph(graph, cost_model, opts)
     start = time.perf_counter()
@@ -192,6 +195,7 @@ def _main_fbw():
       device_peak_bytes=list(plan.device_peak_bytes), memory_caps_bytes=list(caps),
       fits=all(b <= c for b, c in zip(plan.device_peak_bytes, caps)) if caps else True,
       fused_makespan=plan.predicted_step_s, costs_fingerprint=problem.digest(),
+      lockstep_bound_share=_BOUND_SHARE.value,
     )
     if plans_dir:
       case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))

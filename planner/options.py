@@ -146,6 +146,10 @@ class PlannerOptions:
   # the fused search's forward order as priority), and 'custom' (the F/B/W MILP's own order).
   # The API passes the program's requested kind here, so that the plan is the schedule it runs.
   schedule_kinds: tuple[str, ...] = ("gpipe", "1f1b", "zb", "custom")
+  # Share of the lock-step phase's time for the bound that pays for compute and transfers over
+  # every placement (lockstep_bound.py), at most warm_start_max_s (its CBC runs also stop at
+  # milp_max_nodes); 0 = skip it. Its best placements seed the lock-step search.
+  lockstep_bound_share: float = 0.25
   # Problems with at most this many F/B/W tasks also run the F/B/W MILP (fbw_milp.py): its
   # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
   fbw_milp_max_tasks: int = 48
@@ -180,7 +184,7 @@ class PlannerOptions:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
                  "relaxation_share", "prefix_share", "cpsat_share", "milp_share",
-                 "lockstep_search_share"):
+                 "lockstep_search_share", "lockstep_bound_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:

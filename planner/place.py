@@ -20,7 +20,9 @@ placement and F/B/W task schedule (`Plan.task_schedule`, what the program runs) 
 lock-step price (planner.price) within the memory caps over time (fbw_search.py; for small
 problems also the F/B/W MILP, fbw_milp.py). `Plan.lockstep_bound_s` is the largest of the
 precedence bound (fbw_search.simple_bound), the one-machine bound over every placement
-(placement_bound.py, problems of at most 16 nodes) and the F/B/W MILP's optimum. The
+(placement_bound.py, problems of at most 16 nodes), the F/B/W MILP's optimum and the bound
+that pays for compute and transfers of every placement ('transfers', lockstep_bound.py, for the
+schedule families `schedule_kinds` allows; its best placements also seed the search). The
 fused fields (`schedule`, `predicted_step_s`, `lower_bound_s`, `gap`) then describe the fused
 schedule of the returned placement.
 """
@@ -36,7 +38,7 @@ from typing import Any, Mapping
 from jaxhybrid.planner import bounds as bounds_lib
 from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
 from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import placement_bound
+from jaxhybrid.planner import lockstep_bound, placement_bound
 from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.bounds import audited_bound
@@ -381,10 +383,25 @@ def _lockstep(
   if len(optima) == 2:
     # The plan's schedule is split or not: the smaller optimum bounds both families.
     proven["fbw_milp"] = min(optima)
+  # Compute and transfers of every placement (lockstep_bound): its best placements seed too.
+  paying = None
+  if problem.devices > 1 and opts.lockstep_bound_share > 0:
+    kinds = set(opts.schedule_kinds)
+    families = tuple(f for f, have in (("fb", kinds & {"gpipe", "1f1b", "custom"}),
+                                       ("fbw", kinds & {"zb", "custom"})) if have)
+    limit = min(budget * opts.lockstep_bound_share,
+                opts.warm_start_max_s if opts.warm_start_max_s else math.inf)
+    paying = lockstep_bound.solve(
+      problem, k, caps, time_limit_s=max(_MIN_PHASE_S, limit),
+      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+      families=families)
+    proven["transfers"] = paying.bound
   bound = max(proven.values())
   # The fused search's placements, the shortest fused makespan first (priced first if time is short).
   seeds = {name: (c.assignment, order(c))
            for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
+  if paying is not None:
+    seeds.update({f"transfers_{family}": (a, None) for family, a in paying.placements.items()})
   choice, baselines = fbw_search.search(
     problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
     evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
