@@ -13,12 +13,14 @@ minimises their sum over placements with a MILP (python-mip):
     earlier groups), so every bound on such schedules holds for compute_s. Here U runs over a
     grid of THRESHOLDS x THRESHOLDS quantiles of (r0, q0), each written with one indicator
     h[U, d] >= x[i, d] for the nodes i of U.
-  - transfer_s >= the bytes device a sends, times its cheapest link per byte: every message a
+  - transfer_s >= the bytes device a sends, times the least per-byte time of a message (one
+    collective permute by a shift, as slow as that shift's slowest link): every message a
     group sends is at least as long as each sender's part in it, and each value crosses in one
     message (a forward value at least once when its producer is on a and a consumer is not; a
     cotangent once per edge whose consumer is on a and producer is not), k times, once per
     micro-batch. Without a link model (hand-built problems) a message costs the sum of its
-    edges' one-way times, so each crossing edge pays its cheapest one-way time from a.
+    edges' one-way times, so each crossing edge pays its cheapest one-way time from a. Also
+    transfer_s >= the messages along one micro-batch's dependency chain (`_chain_cuts`).
 
 Memory caps: a device holds its nodes' static bytes and at least one residual of one of them.
 Devices the model cannot tell apart (equal caps and equal cheapest links) are opened in order
@@ -126,10 +128,13 @@ def _family(
   for values in problem.edge_values:
     for v in values:
       uses[v] += 1
+  _chain_cuts(m, problem, x, X, uses)
   for a in range(M):
     terms = []
     if problem.link_latency_s:
-      rate = min(problem.link_s_per_byte[a][b] for b in range(M) if b != a) if M > 1 else 0.0
+      # Per byte: a message by shift s costs at least its length at the slowest link of s.
+      rate = min(max(problem.link_s_per_byte[b][(b + sh) % M] for b in range(M))
+                 for sh in range(1, M)) if M > 1 else 0.0
       sent: dict[int, object] = {}  # value -> "a sends it" indicator
       for e, (u, c) in enumerate(problem.edges):
         for v in problem.edge_values[e]:
@@ -242,6 +247,67 @@ def _segment_cuts(m: mip.Model, problem: Problem, x: list, C: object, split: boo
       m.add_constr(back >= mip.xsum(
         (problem.task_s("B", i, True) + problem.task_s("W", i, True)) * x[i][d] for i in range(n)))
   m.add_constr(C >= mip.xsum(phases["F"]) + back)
+
+
+def ring_message_s(problem: Problem, nbytes: float) -> float:
+  """The least a message at least `nbytes` long costs in lock step under the link model: the
+  program sends it as one collective permute by a shift s, which lasts as long as its slowest
+  link (price.lockstep_price: max over devices a of link_s(length, a, a + s)), whatever the
+  shift."""
+  M = problem.devices
+  return min(max(problem.link_s(nbytes, a, (a + s) % M) for a in range(M)) for s in range(1, M))
+
+
+def _message_s(problem: Problem, e: int, backward: bool, uses: Sequence[int]) -> float:
+  """The least time the message of one direction of edge e takes when it crosses: latency plus
+  bytes at the cheapest link (link model), else the edge's cheapest one-way time; 0 for a
+  forward value another edge also carries (it may have crossed with that edge's message)."""
+  M = problem.devices
+  pairs = [(a, b) for a in range(M) for b in range(M) if a != b]
+  if backward and not problem.has_cotangent(e):
+    return 0.0
+  if problem.link_latency_s:
+    return ring_message_s(problem, problem.edge_value_bytes(e, backward))
+  if not backward and any(uses[v] > 1 for v in problem.edge_values[e]):
+    return 0.0
+  return min(problem.direction_s(e, a, b, backward) for a, b in pairs)
+
+
+def _chain_cuts(m: mip.Model, problem: Problem, x: list, X: object, uses: Sequence[int]) -> None:
+  """transfer_s >= the messages along one micro-batch's dependency chain: a message leaves after
+  the group of its producer and its consumer runs in a later group, so the message of a task
+  that depends on that consumer comes in a later group still, and the messages of a chain are
+  summed. lf[i]: messages on the longest forward chain into i; lb[i]: on the cotangent chain
+  from a sink back to i. When the last node (the loss) is reached from every node, every B
+  follows its forward, so X >= lf[last] + lb[i]; else X >= each alone."""
+  n, M = problem.num_nodes, problem.devices
+  if M < 2 or not problem.edges:
+    return
+  lf = [m.add_var(lb=0.0) for _ in range(n)]
+  lb = [m.add_var(lb=0.0) for _ in range(n)]
+  for e, (u, c) in enumerate(problem.edges):
+    t_f, t_b = _message_s(problem, e, False, uses), _message_s(problem, e, True, uses)
+    if t_f <= 0 and t_b <= 0:
+      m.add_constr(lf[c] >= lf[u])
+      m.add_constr(lb[u] >= lb[c])
+      continue
+    y = m.add_var(lb=0.0, ub=1.0)  # 1 when the edge crosses devices
+    for a in range(M):
+      m.add_constr(y >= x[u][a] - x[c][a])
+    m.add_constr(lf[c] >= lf[u] + t_f * y)
+    m.add_constr(lb[u] >= lb[c] + t_b * y)
+  succs = problem.successors()
+  reach = {n - 1}
+  for i in reversed(range(n - 1)):
+    if any(j in reach for j, _ in succs[i]):
+      reach.add(i)
+  if len(reach) == n and not succs[n - 1]:
+    for i in range(n):
+      m.add_constr(X >= lf[n - 1] + lb[i])
+  else:
+    for i in range(n):
+      m.add_constr(X >= lf[i])
+      m.add_constr(X >= lb[i])
 
 
 def _interchangeable(problem: Problem, caps: Sequence[float] | None) -> bool:

@@ -136,3 +136,18 @@ def test_place_reports_the_lockstep_bound_it_proved():
                               time_limit_s=300.0).bound
   assert plan.lockstep_bound_s >= ours * (1 - 1e-9)
   assert plan.lockstep_bound_s <= plan.lockstep_step_s * (1 + 1e-9)
+
+
+def test_messages_along_one_chain_add_up(monkeypatch):
+  # Two heavy towers between a light source and a light loss, one micro-batch: splitting the
+  # towers sends at least two messages one after the other (the input out and the output back
+  # may share one; the cotangents come later), each at its shift's slowest link (1.05 s here).
+  # Counting each device's bytes alone sees one message's bytes.
+  prob = _with_link(Problem.build([1.0, 10.0, 10.0, 1.0], [(0, 1), (0, 2), (1, 3), (2, 3)],
+                                  devices=2, edge_bytes=[50, 50, 50, 50]))
+  want = _lockstep_optimum(prob, 1, False, None)
+  got = lockstep_bound.solve(prob, 1, None, families=("fb",), **LIMITS)
+  assert got.by_family["fb"] <= want * (1 + 1e-9)
+  monkeypatch.setattr(lockstep_bound, "_chain_cuts", lambda *args: None)
+  per_device = lockstep_bound.solve(prob, 1, None, families=("fb",), **LIMITS)
+  assert got.bound > per_device.bound + 0.05
