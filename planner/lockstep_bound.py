@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 # Quantiles of the heads (and of the tails) that make the threshold grid of the compute cuts.
 THRESHOLDS = 8
+# Most rows h[U, d] >= x[i, d] the threshold cuts may add (fewer thresholds on big problems:
+# building a python-mip model costs ~10 us a row, and that time is not the solver's limit).
+MAX_THRESHOLD_ROWS = 40_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +81,9 @@ def _threshold_sets(problem: Problem, split: bool) -> tuple[list, list[float], l
   """(task kinds, sets U as sorted task-index tuples, the min head + min tail of each)."""
   ops, head, tail = placement_bound.heads_and_tails(problem, split)
   h, q = np.asarray(head), np.asarray(tail)
-  levels = np.linspace(0.0, 1.0, THRESHOLDS)
+  rows_per_set = max(1, problem.num_nodes * problem.devices)
+  count = max(2, min(THRESHOLDS, int(math.sqrt(MAX_THRESHOLD_ROWS / rows_per_set))))
+  levels = np.linspace(0.0, 1.0, count)
   r0s = np.unique(np.quantile(h, levels, method="lower"))
   q0s = np.unique(np.quantile(q, levels, method="lower"))
   sets, consts = {}, {}
@@ -313,6 +319,8 @@ def _chain_cuts(m: mip.Model, problem: Problem, x: list, X: object, uses: Sequen
 def _interchangeable(problem: Problem, caps: Sequence[float] | None) -> bool:
   """Whether the model treats every device alike: equal caps and equal cheapest links."""
   M = problem.devices
+  if M < 2:
+    return True
   if caps is not None and len(set(caps)) > 1:
     return False
   if problem.link_latency_s:
