@@ -106,15 +106,8 @@ def _family(
   n, M = problem.num_nodes, problem.devices
   ops, members, consts = _threshold_sets(problem, split)
   p = [problem.task_s(o.kind, o.node, split) for o in ops]
-  m = milp.new_model(solver)
-  m.verbose = 0
-  m.threads = threads
-  m.seed = seed
-  m.max_mip_gap = 1e-6
-  m.max_mip_gap_abs = 1e-9
-  x = [[m.add_var(var_type=mip.BINARY) for _ in range(M)] for _ in range(n)]
-  for i in range(n):
-    m.add_constr(mip.xsum(x[i]) == 1)
+  m, x = milp.placement_model(solver, n, M, threads=threads, seed=seed, gap=1e-6,
+                              gap_abs=1e-9)
   C = m.add_var(lb=0.0)
   X = m.add_var(lb=0.0)
   for member, const in zip(members, consts):

@@ -363,6 +363,23 @@ def proven_bound(m: mip.Model, default: float) -> float:
   return float(b)
 
 
+def placement_model(
+  solver: str, n: int, M: int, *, threads: int, seed: int, gap: float, gap_abs: float
+) -> tuple[mip.Model, list[list[mip.Var]]]:
+  """A quiet model on `solver` with the given settings and x[i][d], binary, each node on one
+  device (the start of the placement-only models: relax.py, lockstep_bound.py)."""
+  m = new_model(solver)
+  m.verbose = 0
+  m.threads = threads
+  m.seed = seed
+  m.max_mip_gap = gap
+  m.max_mip_gap_abs = gap_abs
+  x = [[m.add_var(var_type=mip.BINARY) for _ in range(M)] for _ in range(n)]
+  for i in range(n):
+    m.add_constr(mip.xsum(x[i]) == 1)
+  return m, x
+
+
 # Model units: the MILPs solve problems whose one-device step (k micro-batches) is about this
 # many units (Problem.scaled_times), not seconds.
 MODEL_STEP_UNITS = 1000.0

@@ -124,15 +124,8 @@ def solve(
   anc = milp.ancestors(problem)
   before = [[j for j in range(n) if j == i or (anc[i] >> j) & 1] for i in range(n)]
   after = [[j for j in range(n) if j == i or (anc[j] >> i) & 1] for i in range(n)]
-  m = milp.new_model(solver)
-  m.verbose = 0
-  m.threads = threads
-  m.seed = seed
-  m.max_mip_gap = 1e-6
-  m.max_mip_gap_abs = 1e-12
-  x = [[m.add_var(var_type=mip.BINARY) for _ in range(M)] for _ in range(n)]
-  for i in range(n):
-    m.add_constr(mip.xsum(x[i]) == 1)
+  m, x = milp.placement_model(solver, n, M, threads=threads, seed=seed, gap=1e-6,
+                              gap_abs=1e-12)
   C = m.add_var(lb=max(lower_bound, 0.0))
   mem = problem.memory_bytes(k)
   # t[i]: a lower bound on the start of (i, 0) given the placement (links paid where an edge
