@@ -27,7 +27,9 @@ _BATCH = flags.DEFINE_integer("batch", None, "Per-worker batch (default: the pap
 _MICRO = flags.DEFINE_integer("microbatches", 2, "Micro-batches per worker batch (pipelining).")
 _PLANNER = flags.DEFINE_string("planner", "milp", "milp | etf | dp | interleaved | single.")
 _TIME_LIMIT = flags.DEFINE_float("time_limit", 30.0, "Planner time limit, seconds.")
-_SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Task schedule: gpipe | 1f1b | zb.")
+_SCHEDULE = flags.DEFINE_string(
+  "schedule", "1f1b", "Task schedule: gpipe | 1f1b | zb | auto (the planner picks the cheapest "
+  "in lock step, its own group-by-group orders included).")
 _DRY_RUN = flags.DEFINE_boolean(
   "dry_run", False, "Plan, compile from abstract inputs and print per-device memory; no training.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Cost-model hardware profile (default: detect).")

@@ -88,6 +88,14 @@ BAD_CONFIGS = [
 ]
 
 
+def test_auto_schedule_runs_the_plans_own_task_schedule(tmp_path):
+  cfg = dataclasses.replace(TINY, mesh="1x2", batch=2, steps=1, planner="milp", time_limit_s=5,
+                            schedule="auto", workdir=str(tmp_path / "w"))
+  spec, hybrid, _ = runner.build(runner._resolve(cfg), abstract=True)
+  assert hybrid.plan.task_schedule is not None
+  assert hybrid.program.schedule == hybrid.plan.task_schedule
+
+
 @pytest.mark.parametrize("changes,message", BAD_CONFIGS)
 def test_bad_config_raises_one_line_usage_error(changes, message, tmp_path):
   cfg = dataclasses.replace(TINY, workdir=str(tmp_path / "w"), **changes)

@@ -64,7 +64,8 @@ class RunConfig:
   planner: str = "milp"
   # Planner wall-clock budget, seconds.
   time_limit_s: float = 30.0
-  # Task schedule the program runs: gpipe | 1f1b | zb (planner.task_schedule).
+  # Task schedule the program runs: gpipe | 1f1b | zb (planner.task_schedule), or 'auto': the
+  # planner picks the cheapest in lock step among all of them and its own orders ('custom').
   schedule: str = "1f1b"
   # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
   dry_run: bool = False
@@ -232,9 +233,10 @@ def validate(config: RunConfig) -> None:
       f"--hardware={config.hardware!r} is unknown: use one of {', '.join(hardware.names())}")
   from jaxhybrid.planner import task_schedule
 
-  if config.schedule not in task_schedule.KINDS:
+  if config.schedule not in task_schedule.KINDS + ("auto",):
     raise errors.UsageError(
-      f"--schedule={config.schedule!r} is unknown: use one of {', '.join(task_schedule.KINDS)}")
+      f"--schedule={config.schedule!r} is unknown: use one of "
+      f"{', '.join(task_schedule.KINDS + ('auto',))}")
   if config.optimizer is not None and config.optimizer not in OPTIMIZERS:
     raise errors.UsageError(f"--optimizer={config.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
   if config.clip_norm < 0:
@@ -359,7 +361,8 @@ def build(config: RunConfig, *, abstract: bool = False):
       model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
       microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
       planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed}, plan=plan,
-      program_options={"schedule": config.schedule},
+      # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
+      program_options={} if config.schedule == "auto" else {"schedule": config.schedule},
     )
   except ValueError as e:
     raise errors.UsageError(f"{e}") from None
