@@ -31,29 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
-from typing import Any, Mapping
+from typing import Any
 
 from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import cpsat, decompose, fbw_milp, fbw_search, milp, relax
+from jaxhybrid.planner import cpsat, decompose, milp, relax
 from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import lockstep_bound, placement_bound
 from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner import schedule as sched
 from jaxhybrid.planner.bounds import audited_bound
+from jaxhybrid.planner.clock import Clock as _Clock
 from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
+from jaxhybrid.planner.place_lockstep import REMEDY as _REMEDY
+from jaxhybrid.planner.place_lockstep import lockstep as _lockstep
 from jaxhybrid.planner.plan import Plan
 from jaxhybrid.planner.problem import Problem
 
 log = logging.getLogger(__name__)
 
-# Seconds kept back from the time limit, at most (and at most _RESERVE_SHARE of it): CBC overruns
-# its limit by up to ~1 s on the paper's graphs, and the plan is built after it returns.
-_CLEANUP_S = 1.5
-_RESERVE_SHARE = 0.03
-# Least seconds a phase is given, even when the others have used up the time.
-_MIN_PHASE_S = 0.05
 # Placements the k = 1 local search evaluates per (node, device) pair: it only warm-starts the
 # exact decomposition, so a short anneal suffices.
 _K1_EVALUATIONS = 20
@@ -113,11 +107,6 @@ def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> N
       f"({f'{k} micro-batch(es) alive' if k else 'static'}); the {problem.devices} "
       f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short): {_REMEDY}"
     )
-
-
-# What to do when the memory caps cannot be met (the end of every InfeasibleError on memory).
-_REMEDY = ("raise memory_caps_bytes (None or 0: no cap), use more devices, fewer micro-batches, "
-           "or a smaller batch or model.")
 
 
 def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Plan:
@@ -321,112 +310,6 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   )
 
 
-def _lockstep(
-  problem: Problem,
-  opts: PlannerOptions,
-  caps: tuple[float, ...] | None,
-  found: Mapping[str, heur.Candidate],
-  best: heur.Candidate,
-  clock: _Clock,
-) -> dict[str, Any]:
-  """The lock-step search (fbw_search) from the fused searches' placements and orders.
-
-  With `opts.method` naming a heuristic only that heuristic's placement is kept (its best
-  schedule is chosen); else every placement found seeds the search, and problems with at most
-  `fbw_milp_max_tasks` tasks also run the F/B/W MILP (fbw_milp) for a bound and a candidate.
-
-  Returns:
-    {'choice': fbw_search.Choice, 'baselines': {...}, 'bound': seconds}.
-
-  Raises:
-    InfeasibleError: no schedule of any candidate fits the caps (the message says by how many
-      bytes the closest one missed).
-  """
-  k = opts.microbatches
-
-  def order(c: heur.Candidate) -> list[tuple[int, int]]:
-    return sorted(((i, m) for i in range(problem.num_nodes) for m in range(k)),
-                  key=lambda t: (c.starts[t[0]][t[1]], t))
-
-  bound = fbw_search.simple_bound(problem, k)
-  if opts.method != "milp":
-    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best),
-                                   kinds=opts.schedule_kinds)
-    if got is None:
-      raise InfeasibleError(_short_message(problem, [best.assignment], k, caps))
-    name, schedule, step, mem = got
-    choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
-                               f"{opts.method}/{name}")
-    return {"choice": choice, "baselines": {}, "bound": bound}
-  extra = []
-  budget = clock.rest()
-  t_end = time.monotonic() + budget
-  proven = {"precedence": bound}
-  by_placement = placement_bound.bound(problem, k, caps)  # None: too many nodes to enumerate
-  if by_placement is not None and by_placement < float("inf"):
-    proven["placement"] = by_placement
-  optima = []  # the F/B/W MILP's bound per family (unsplit, split)
-  for split in (False, True):
-    tasks = problem.num_nodes * k * (3 if split else 2)
-    if "custom" not in opts.schedule_kinds:
-      break  # its order could not be returned; the simple bound stands
-    if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
-      break
-    limit = min(budget / 4, opts.warm_start_max_s / 2 if opts.warm_start_max_s else math.inf)
-    res = fbw_milp.solve(
-      problem, k, split=split, caps=caps, time_limit_s=max(_MIN_PHASE_S, limit),
-      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
-    )
-    optima.append(res.bound)
-    if res.schedule is not None:
-      extra.append((f"fbw_milp_{'zb' if split else 'fb'}", res.assignment, res.schedule))
-  if len(optima) == 2:
-    # The plan's schedule is split or not: the smaller optimum bounds both families.
-    proven["fbw_milp"] = min(optima)
-  # Compute and transfers of every placement (lockstep_bound): its best placements seed too.
-  paying = None
-  if problem.devices > 1 and opts.lockstep_bound_share > 0:
-    kinds = set(opts.schedule_kinds)
-    families = tuple(f for f, have in (("fb", kinds & {"gpipe", "1f1b", "custom"}),
-                                       ("fbw", kinds & {"zb", "custom"})) if have)
-    limit = min(budget * opts.lockstep_bound_share,
-                opts.warm_start_max_s if opts.warm_start_max_s else math.inf)
-    paying = lockstep_bound.solve(
-      problem, k, caps, time_limit_s=max(_MIN_PHASE_S, limit),
-      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
-      families=families)
-    proven["transfers"] = paying.bound
-  bound = max(proven.values())
-  # The fused search's placements, the shortest fused makespan first (priced first if time is short).
-  seeds = {name: (c.assignment, order(c))
-           for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
-  if paying is not None:
-    seeds.update({f"transfers_{family}": (a, None) for family, a in paying.placements.items()})
-  choice, baselines = fbw_search.search(
-    problem, k, caps, seeds, time_limit_s=max(_MIN_PHASE_S, t_end - time.monotonic()),
-    evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
-    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap), patience=opts.lockstep_patience,
-  )
-  if choice is None:
-    raise InfeasibleError(_short_message(
-      problem, [c.assignment for c in found.values()], k, caps))
-  return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
-
-
-def _short_message(
-  problem: Problem, placements: list[tuple[int, ...]], k: int, caps: tuple[float, ...] | None
-) -> str:
-  """One line: by how many bytes the closest placement's best schedule misses the caps."""
-  short = float("inf")
-  for assign in placements + fbw_search.contiguous_splits(problem):
-    for _, schedule in fbw_search.schedules_for(problem, assign, k):
-      mem = price_lib.peak_memory_bytes(problem, assign, schedule)
-      short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
-  return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
-          f"{k} micro-batch(es): the closest is {short:.0f} bytes short on its fullest device; "
-          f"{_REMEDY}")
-
-
 def _anneal(
   problem: Problem,
   opts: PlannerOptions,
@@ -465,38 +348,6 @@ def _anneal(
       max_window_placements=opts.max_window_placements, target=target,
     )
   return local
-
-
-class _Clock:
-  """The time left of `place` and its split between the phases still to run."""
-
-  def __init__(self, limit_s: float, reserve_share: float = 0.0, warm_max_s: float | None = None):
-    self._t0 = time.monotonic()
-    # The phases end by the limit less a reserve for the solvers' overrun and building the plan;
-    # `share` splits the time before the last phase's kept seconds, ending by `_warm_end`.
-    self._deadline = self._t0 + limit_s - min(_CLEANUP_S, _RESERVE_SHARE * limit_s)
-    self._kept = reserve_share * (self._deadline - self._t0)
-    self._warm_end = self._t0 + warm_max_s if warm_max_s is not None else math.inf
-
-  def elapsed(self) -> float:
-    return time.monotonic() - self._t0
-
-  def share(self, phase: str, phases: dict[str, float]) -> float:
-    """Seconds for `phase`: the time left split in proportion to the weights of `phase` and of
-    the phases after it in `phases` (which loses `phase` and those before it). Positive."""
-    names = list(phases)
-    rest = names[names.index(phase):]
-    weight, total = phases[phase], sum(phases[n] for n in rest)
-    for n in names[:names.index(phase) + 1]:
-      del phases[n]
-    end = min(self._deadline - self._kept, self._warm_end)
-    left = max(0.0, end - time.monotonic())
-    return max(_MIN_PHASE_S, left * weight / total if total > 0 else left)
-
-  def rest(self) -> float:
-    """Seconds for the last phase: all that is left, the kept share included. Positive."""
-    self._kept = 0.0
-    return max(_MIN_PHASE_S, self._deadline - time.monotonic())
 
 
 def reprice(plan: Plan, problem: Problem, schedule: Any) -> Plan:

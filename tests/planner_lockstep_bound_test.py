@@ -130,7 +130,8 @@ def test_place_reports_the_lockstep_bound_it_proved():
   prob = _diamond(True)
   opts = planner.PlannerOptions(devices=2, microbatches=1, time_limit_s=300.0, threads=1,
                                 gap=0.0, cpsat_deterministic_time=0.5, milp_max_nodes=500,
-                                search_evaluations=20, lockstep_evaluations=30)
+                                search_evaluations=20, lockstep_evaluations=30,
+                                warm_start_max_s=None)  # the bound stops by its node limit only
   plan = planner.place_problem(prob, opts)
   ours = lockstep_bound.solve(prob, 1, opts.caps(prob.device_memory_bytes), max_nodes=500,
                               time_limit_s=300.0).bound

@@ -17,14 +17,12 @@ predicted and measured step time, projection), gantt.png, loss.png, projection.p
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import datetime
 import json
 import logging
 import math
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +30,7 @@ import numpy as np
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid.train import predict
+from jaxhybrid.train.overrides import parse_overrides  # noqa: F401 - runner.parse_overrides (run.py, advise.py)
 from jaxhybrid.train.run_data import make_batch_fn
 from jaxhybrid.train.run_report import plot_loss
 
@@ -106,27 +105,6 @@ class RunConfig:
 
 
 # ---- parsing helpers --------------------------------------------------------------------------
-
-def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-  """`["hidden_size=256", "dtype=bfloat16"]` -> (("hidden_size", 256), ("dtype", "bfloat16")).
-
-  Values are parsed with `ast.literal_eval`, falling back to the raw string.
-
-  Raises:
-    UsageError: an item without '='.
-  """
-  out = []
-  for item in items or ():
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-      raise errors.UsageError(f"--set {item!r} is not key=value: write e.g. --set hidden_size=256")
-    try:
-      value = ast.literal_eval(raw.strip())
-    except (ValueError, SyntaxError):
-      value = raw.strip()
-    out.append((key.strip(), value))
-  return tuple(out)
-
 
 def _mesh_shape_early(spec: str) -> mesh_lib.MeshShape | None:
   """Parses the mesh without starting JAX; None when a side is -1 (needs the device count)."""

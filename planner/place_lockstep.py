@@ -1,0 +1,126 @@
+"""The lock-step phase of `place` (objective='lockstep'): bounds, the F/B/W MILP, the transfers
+bound, and the search over (placement, task schedule) that the returned plan runs."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Mapping
+
+from jaxhybrid.planner import fbw_milp, fbw_search, lockstep_bound, placement_bound
+from jaxhybrid.planner import heuristics as heur
+from jaxhybrid.planner import price as price_lib
+from jaxhybrid.planner.bounds import audited_bound
+from jaxhybrid.planner.clock import MIN_PHASE_S, Clock
+from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
+from jaxhybrid.planner.problem import Problem
+
+# What to do when the memory caps cannot be met (the end of every InfeasibleError on memory).
+REMEDY = ("raise memory_caps_bytes (None or 0: no cap), use more devices, fewer micro-batches, "
+          "or a smaller batch or model.")
+
+
+def lockstep(
+  problem: Problem,
+  opts: PlannerOptions,
+  caps: tuple[float, ...] | None,
+  found: Mapping[str, heur.Candidate],
+  best: heur.Candidate,
+  clock: Clock,
+) -> dict[str, Any]:
+  """The lock-step search (fbw_search) from the fused searches' placements and orders.
+
+  With `opts.method` naming a heuristic only that heuristic's placement is kept (its best
+  schedule is chosen); else every placement found seeds the search, and problems with at most
+  `fbw_milp_max_tasks` tasks also run the F/B/W MILP (fbw_milp) for a bound and a candidate.
+
+  Returns:
+    {'choice': fbw_search.Choice, 'baselines': {...}, 'bound': seconds}.
+
+  Raises:
+    InfeasibleError: no schedule of any candidate fits the caps (the message says by how many
+      bytes the closest one missed).
+  """
+  k = opts.microbatches
+
+  def order(c: heur.Candidate) -> list[tuple[int, int]]:
+    return sorted(((i, m) for i in range(problem.num_nodes) for m in range(k)),
+                  key=lambda t: (c.starts[t[0]][t[1]], t))
+
+  bound = fbw_search.simple_bound(problem, k)
+  if opts.method != "milp":
+    got = fbw_search.best_schedule(problem, best.assignment, k, caps, order(best),
+                                   kinds=opts.schedule_kinds)
+    if got is None:
+      raise InfeasibleError(short_message(problem, [best.assignment], k, caps))
+    name, schedule, step, mem = got
+    choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
+                               f"{opts.method}/{name}")
+    return {"choice": choice, "baselines": {}, "bound": bound}
+  extra = []
+  budget = clock.rest()
+  t_end = time.monotonic() + budget
+  proven = {"precedence": bound}
+  by_placement = placement_bound.bound(problem, k, caps)  # None: too many nodes to enumerate
+  if by_placement is not None and by_placement < float("inf"):
+    proven["placement"] = by_placement
+  optima = []  # the F/B/W MILP's bound per family (unsplit, split)
+  for split in (False, True):
+    tasks = problem.num_nodes * k * (3 if split else 2)
+    if "custom" not in opts.schedule_kinds:
+      break  # its order could not be returned; the simple bound stands
+    if not 0 < tasks <= opts.fbw_milp_max_tasks or problem.devices < 2:
+      break
+    limit = min(budget / 4, opts.warm_start_max_s / 2 if opts.warm_start_max_s else math.inf)
+    res = fbw_milp.solve(
+      problem, k, split=split, caps=caps, time_limit_s=max(MIN_PHASE_S, limit),
+      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+    )
+    optima.append(res.bound)
+    if res.schedule is not None:
+      extra.append((f"fbw_milp_{'zb' if split else 'fb'}", res.assignment, res.schedule))
+  if len(optima) == 2:
+    # The plan's schedule is split or not: the smaller optimum bounds both families.
+    proven["fbw_milp"] = min(optima)
+  # Compute and transfers of every placement (lockstep_bound): its best placements seed too.
+  paying = None
+  if problem.devices > 1 and opts.lockstep_bound_share > 0:
+    kinds = set(opts.schedule_kinds)
+    families = tuple(f for f, have in (("fb", kinds & {"gpipe", "1f1b", "custom"}),
+                                       ("fbw", kinds & {"zb", "custom"})) if have)
+    limit = min(budget * opts.lockstep_bound_share,
+                opts.warm_start_max_s if opts.warm_start_max_s else math.inf)
+    paying = lockstep_bound.solve(
+      problem, k, caps, time_limit_s=max(MIN_PHASE_S, limit),
+      max_nodes=opts.milp_max_nodes, threads=opts.threads, seed=opts.seed, solver=opts.solver,
+      families=families)
+    proven["transfers"] = paying.bound
+  bound = max(proven.values())
+  # The fused search's placements, the shortest fused makespan first (priced first if time is short).
+  seeds = {name: (c.assignment, order(c))
+           for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
+  if paying is not None:
+    seeds.update({f"transfers_{family}": (a, None) for family, a in paying.placements.items()})
+  choice, baselines = fbw_search.search(
+    problem, k, caps, seeds, time_limit_s=max(MIN_PHASE_S, t_end - time.monotonic()),
+    evaluations=opts.lockstep_evaluations, seed=opts.seed, extra=extra,
+    kinds=opts.schedule_kinds, target=bound * (1 + opts.gap), patience=opts.lockstep_patience,
+  )
+  if choice is None:
+    raise InfeasibleError(short_message(
+      problem, [c.assignment for c in found.values()], k, caps))
+  return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
+
+
+def short_message(
+  problem: Problem, placements: list[tuple[int, ...]], k: int, caps: tuple[float, ...] | None
+) -> str:
+  """One line: by how many bytes the closest placement's best schedule misses the caps."""
+  short = float("inf")
+  for assign in placements + fbw_search.contiguous_splits(problem):
+    for _, schedule in fbw_search.schedules_for(problem, assign, k):
+      mem = price_lib.peak_memory_bytes(problem, assign, schedule)
+      short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
+  return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
+          f"{k} micro-batch(es): the closest is {short:.0f} bytes short on its fullest device; "
+          f"{REMEDY}")
