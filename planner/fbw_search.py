@@ -9,7 +9,9 @@ Objective: `price.lockstep_price(...).step_s` of the TaskSchedule the program ex
     times, each also with the forward order of the fused search's start times ('custom' order
     from the solver, when it is a valid schedule), and the F/B/W MILP's per-device order;
   - then simulated annealing over placements (move one node to another device) whose objective
-    is the best lock-step price over the generated schedules.
+    is the best lock-step price over the generated schedules;
+  - last, when 'custom' schedules may run, the group-by-group orders of lockstep_order for the
+    best placements and the transfers bound's seeds (`POLISH_PLACEMENTS`).
 The GPipe / 1F1B / ZB-H1 prices of the best contiguous split are the baselines; the result is never
 worse than any of them (they are candidates).
 """
@@ -182,12 +184,14 @@ def search(
 
   seen: dict[tuple[int, ...], float] = {}
 
-  def consider(name: str, assign: Sequence[int], order=None, more=()) -> float:
+  def consider(name: str, assign: Sequence[int], order=None, more=(), stage=True) -> float:
+    """Prices `assign`'s schedules: the stage orders of `kinds` (unless `stage` is False: they
+    were priced already) and `more`; keeps the best."""
     nonlocal best
     key = tuple(assign)
     if order is None and not more and key in seen:
       return seen[key]
-    got = best_schedule(problem, assign, k, caps, order, more, kinds)
+    got = best_schedule(problem, assign, k, caps, order, more, kinds if stage else ())
     if order is None and not more:
       seen[key] = got[2] if got is not None else math.inf
     if got is None:
@@ -237,7 +241,8 @@ def search(
       if tuple(assign) in done or (out_of_time() and done):
         continue
       done.add(tuple(assign))
-      consider("polish", assign, more=lockstep_order.variants(problem, assign, k))
+      consider("polish", assign, more=lockstep_order.variants(problem, assign, k),
+               stage=tuple(assign) not in seen)
     return best, baselines
 
   if problem.devices ** problem.num_nodes <= EXHAUSTIVE_PLACEMENTS:
