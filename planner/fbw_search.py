@@ -45,6 +45,8 @@ EXHAUSTIVE_PLACEMENTS = 512
 # found a 6 % faster plan).
 POLISH_PLACEMENTS = 3
 POLISH_SHARE = 0.1
+# Placements whose best choices `search` ranks for the caller (the groups step of place).
+RANKED = 3
 # Annealing: start temperature as a share of the start price, and its geometric cooling per move.
 ANNEAL_T0 = 0.02
 ANNEAL_COOLING = 0.995
@@ -151,6 +153,7 @@ def search(
   kinds: Sequence[str] = ts.KINDS + ("custom",),
   target: float = 0.0,
   patience: int | None = None,
+  ranked: list[Choice] | None = None,
 ) -> tuple[Choice | None, dict[str, float]]:
   """The best (placement, schedule) in lock step within `caps`, and the baselines.
 
@@ -171,6 +174,8 @@ def search(
     patience: once the annealing has cooled (ANNEAL_COOL_MOVES moves), stop after this many
       moves in a row that found no faster plan (None: never); counted in moves, so where it
       stops does not depend on the machine.
+    ranked: if a list is given, filled with the best choice of each of the RANKED cheapest
+      placements priced, cheapest first (the result among them).
 
   With at most EXHAUSTIVE_PLACEMENTS placements every placement is priced (no annealing).
 
@@ -183,6 +188,15 @@ def search(
   baselines: dict[str, float] = {}
 
   seen: dict[tuple[int, ...], float] = {}
+  top: dict[tuple[int, ...], Choice] = {}  # the RANKED cheapest placements' best choices
+
+  def keep(c: Choice) -> None:
+    old = top.get(c.assignment)
+    if old is not None and old.step_s <= c.step_s:
+      return
+    top[c.assignment] = c
+    if len(top) > RANKED:
+      del top[max(top, key=lambda a: (top[a].step_s, a))]
 
   def consider(name: str, assign: Sequence[int], order=None, more=(), stage=True) -> float:
     """Prices `assign`'s schedules: the stage orders of `kinds` (unless `stage` is False: they
@@ -197,8 +211,10 @@ def search(
     if got is None:
       return math.inf
     kind, sch, p, mem = got
+    choice = Choice(tuple(assign), sch, p, tuple(mem), f"{name}/{kind}")
+    keep(choice)
     if best is None or p < best.step_s - 1e-15:
-      best = Choice(tuple(assign), sch, p, tuple(mem), f"{name}/{kind}")
+      best = choice
     return p
 
   def out_of_time() -> bool:
@@ -223,11 +239,22 @@ def search(
         continue
       p = price_lib.lockstep_price(problem, assign, sch).step_s
       baselines[kind] = min(baselines.get(kind, math.inf), p)
-      if kind in kinds and (best is None or p < best.step_s - 1e-15):
-        best = Choice(tuple(assign), sch, p, tuple(price_lib.peak_memory_bytes(
+      if kind in kinds:
+        choice = Choice(tuple(assign), sch, p, tuple(price_lib.peak_memory_bytes(
           problem, assign, sch)), f"contiguous/{kind}")
+        keep(choice)
+        if best is None or p < best.step_s - 1e-15:
+          best = choice
+
+  def finish(result: tuple[Choice | None, dict[str, float]]):
+    if ranked is not None:
+      ranked[:] = sorted(top.values(), key=lambda c: (c.step_s, c.assignment))
+      if result[0] is not None and result[0] not in ranked:
+        ranked.insert(0, result[0])
+    return result
+
   if best is None or problem.devices < 2 or problem.num_nodes < 2:
-    return best, baselines
+    return finish((best, baselines))
   polish = "custom" in kinds
 
   def polished() -> tuple[Choice | None, dict[str, float]]:
@@ -248,7 +275,7 @@ def search(
   if problem.devices ** problem.num_nodes <= EXHAUSTIVE_PLACEMENTS:
     for assign in itertools.product(range(problem.devices), repeat=problem.num_nodes):
       consider("exhaustive", assign)
-    return polished() if polish else (best, baselines)
+    return finish(polished() if polish else (best, baselines))
   # Annealing over placements from the best so far (leaving POLISH_SHARE of the time).
   anneal_end = t_end - (POLISH_SHARE * time_limit_s if polish else 0.0)
   rng = random.Random(seed)
@@ -276,7 +303,7 @@ def search(
     temp *= ANNEAL_COOLING
   log.debug("lock-step annealing: %d placements priced, best %.6g (%s)", count,
             best.step_s, best.found_by)
-  return polished() if polish else (best, baselines)
+  return finish(polished() if polish else (best, baselines))
 
 
 def simple_bound(problem: Problem, k: int) -> float:

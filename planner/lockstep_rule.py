@@ -59,9 +59,15 @@ def lockstep_groups(
     (slots, groups): each a list of [(device, task), ...], tasks of a device in schedule order
     (groups: sorted by device within each slot).
 
+  A schedule with explicit `groups` runs those groups (empty ones dropped), each one slot; they
+  are checked against the same rules (`explicit_groups`).
+
   Raises:
-    ValueError: the device orders wait on each other (no lock-step run exists).
+    ValueError: the device orders wait on each other (no lock-step run exists), or explicit
+      groups break a rule.
   """
+  if schedule.groups is not None:
+    return explicit_groups(schedule, edges, assignment, reads, grad_bytes, group_grad_bytes)
   devices = len(schedule.devices)
   num_nodes = len(assignment)
   preds, succs = _adjacency(num_nodes, edges)
@@ -124,3 +130,57 @@ def lockstep_groups(
       groups[-1].append((d, op))
       made_in[op] = d
   return slots, groups
+
+
+def explicit_groups(
+  schedule: TaskSchedule,
+  edges: Sequence[tuple[int, int]],
+  assignment: Sequence[int],
+  reads: Mapping[Op, Sequence[Op]],
+  grad_bytes: Sequence[int] | None = None,
+  group_grad_bytes: int | None = None,
+) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
+  """The groups a schedule names (`TaskSchedule.groups`), as (slots, groups) of
+  `lockstep_groups`: one slot per non-empty group, renumbered in order.
+
+  Checked: a task's dependencies and the tasks whose values it reads ran in an earlier group
+  when on another device (a value crosses only between groups) or earlier in the device's order;
+  and no device's gradient tasks in one group write more than `group_grad_bytes` (its first one
+  always may), as the derived groups never do.
+
+  Raises:
+    ValueError: naming the first task or group that breaks a rule.
+  """
+  num_nodes = len(assignment)
+  preds, succs = _adjacency(num_nodes, edges)
+  where: dict[Op, tuple[int, int, int]] = {}  # task -> (group, device, position)
+  for d, (ops, gs) in enumerate(zip(schedule.devices, schedule.groups)):
+    for pos, (op, g) in enumerate(zip(ops, gs)):
+      where[op] = (g, d, pos)
+  cap = GROUP_GRAD_BYTES if group_grad_bytes is None else group_grad_bytes
+  grads: dict[tuple[int, int], set[int]] = {}
+  for op, (g, d, pos) in where.items():
+    for t in list(reads.get(op, ())) + dependencies(op, preds, succs, schedule.split):
+      if t not in where:
+        raise ValueError(f"task {tuple(op)} needs {tuple(t)}, which the schedule does not run")
+      tg, td, tpos = where[t]
+      if (td != d and tg >= g) or (td == d and tpos >= pos):
+        raise ValueError(
+          f"task {tuple(op)} in group {g} on device {d} needs {tuple(t)} (group {tg}, device "
+          f"{td}): a value from another device arrives only after its group, and a device runs "
+          "its own tasks in order")
+    if op.kind == "W" or (op.kind == "B" and not schedule.split):
+      grads.setdefault((d, g), set()).add(op.node)
+  for (d, g), nodes in sorted(grads.items()):
+    too_many = (len(nodes) > 1 if grad_bytes is None
+                else len(nodes) > 1 and sum(grad_bytes[n] for n in nodes) > cap)
+    if too_many:
+      raise ValueError(f"group {g}: device {d}'s gradient tasks write more than "
+                       f"{cap} bytes of parameter gradients; put them in separate groups")
+  order = sorted({g for g, _, _ in where.values()})
+  groups: list[list[tuple[int, Op]]] = [[] for _ in order]
+  renumber = {g: j for j, g in enumerate(order)}
+  for d, (ops, gs) in enumerate(zip(schedule.devices, schedule.groups)):
+    for op, g in zip(ops, gs):
+      groups[renumber[g]].append((d, op))
+  return [list(g) for g in groups], groups

@@ -153,6 +153,15 @@ class PlannerOptions:
   # Problems with at most this many F/B/W tasks also run the F/B/W MILP (fbw_milp.py): its
   # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
   fbw_milp_max_tasks: int = 48
+  # After the lock-step search, CP-SAT chooses the lock-step groups of the best placement's
+  # schedule (lockstep_cpsat.py; the plan then carries explicit groups) in at most
+  # lockstep_groups_share of the lock-step phase's time, and at most lockstep_groups_max_s
+  # seconds (None: the share alone; 0: skip it). Needs 'custom' in schedule_kinds. Its CP-SAT
+  # run stops at cpsat_deterministic_time when that is set. Measured (paper sizes, DGX-1 costs,
+  # two threads): Inception-V3 M=2 k=4 0.772 -> 0.697 s in 20 s; BigLSTM M=2 k=4 0.867 ->
+  # 0.751 s on its interleaved placement.
+  lockstep_groups_share: float = 0.25
+  lockstep_groups_max_s: float | None = 10.0
 
   @property
   def work_limited(self) -> bool:
@@ -184,7 +193,7 @@ class PlannerOptions:
       raise ValueError(f"method={self.method!r}: use one of {METHODS}.")
     for name in ("local_search_share", "pipeline_search_share", "window_search_share",
                  "relaxation_share", "prefix_share", "cpsat_share", "milp_share",
-                 "lockstep_search_share", "lockstep_bound_share"):
+                 "lockstep_search_share", "lockstep_bound_share", "lockstep_groups_share"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)!r}: use a share of the time in [0, 1].")
     if not isinstance(self.max_window_placements, int) or self.max_window_placements < 2:
@@ -202,6 +211,9 @@ class PlannerOptions:
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"{name}={value!r}: use a positive limit, or None for none.")
+    if self.lockstep_groups_max_s is not None and not self.lockstep_groups_max_s >= 0:
+      raise ValueError(f"lockstep_groups_max_s={self.lockstep_groups_max_s!r}: use seconds >= 0 "
+                       "(0 skips the step), or None for its share of the time alone.")
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes

@@ -63,12 +63,34 @@ class TaskSchedule:
   microbatches: int
   # devices[d]: device d's tasks, in order.
   devices: tuple[tuple[Op, ...], ...]
+  # Optional explicit lock-step groups: groups[d][j] is the group in which devices[d][j] runs
+  # (non-decreasing along each device's order). None: the program derives the groups from the
+  # orders (lockstep_rule.lockstep_groups, as early as each task can run). Given, the program
+  # runs exactly these groups (a device may wait out a group idle), as a planner that chose
+  # them priced them (lockstep_cpsat).
+  groups: tuple[tuple[int, ...], ...] | None = None
+
+  def __post_init__(self):
+    if self.groups is None:
+      return
+    if len(self.groups) != len(self.devices):
+      raise ValueError(f"groups has {len(self.groups)} device rows, the schedule "
+                       f"{len(self.devices)}: one row of group indices per device")
+    for d, (ops, gs) in enumerate(zip(self.devices, self.groups)):
+      if len(ops) != len(gs):
+        raise ValueError(f"device {d}: {len(ops)} tasks but {len(gs)} group indices")
+      if any(g < 0 for g in gs) or any(b < a for a, b in zip(gs, gs[1:])):
+        raise ValueError(f"device {d}: group indices must be >= 0 and non-decreasing along "
+                         "the device's order")
 
   def to_dict(self) -> dict[str, Any]:
-    return {
+    out = {
       "kind": self.kind, "split": self.split, "microbatches": self.microbatches,
       "devices": [[list(op) for op in ops] for ops in self.devices],
     }
+    if self.groups is not None:
+      out["groups"] = [list(g) for g in self.groups]
+    return out
 
   @classmethod
   def from_dict(cls, data: dict[str, Any]) -> TaskSchedule:
@@ -79,6 +101,8 @@ class TaskSchedule:
         devices=tuple(
           tuple(Op(str(k), int(n), int(c)) for k, n, c in ops) for ops in data["devices"]
         ),
+        groups=(None if data.get("groups") is None
+                else tuple(tuple(int(g) for g in gs) for gs in data["groups"])),
       )
     except (KeyError, TypeError, ValueError) as err:
       raise ValueError(f"malformed task schedule: {err}") from err
