@@ -96,7 +96,9 @@ flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size 
                      "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
 flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_max_bytes=0 "
                      "(step_s_plan_unpacked; v2 programs pack every group's messages alike).")
-flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb"], "Task schedule the program runs.")
+flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb", "auto"],
+                  "Task schedule the program runs; 'auto': the planner's own choice among all of "
+                  "them and its lock-step orders and explicit groups ('custom').")
 flags.DEFINE_float("budget_s", 3000.0, "Wall time for the whole run, calibration included: a "
                    "model's jobs get what is left and are stopped when it is spent, and models "
                    "left then are skipped (each model's results are written as soon as they exist).")
@@ -255,7 +257,9 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
-  kinds = {"schedule_kinds": (FLAGS.schedule,)}  # plan the kind the program runs
+  # Plan the kind the program runs ('auto': any, the plan's own schedule runs).
+  kinds = {"schedule_kinds": ("gpipe", "1f1b", "zb", "custom") if FLAGS.schedule == "auto"
+           else (FLAGS.schedule,)}
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner,
                        time_limit_s=FLAGS.time_limit, **kinds)
   plan_s, profile_s, place_s = time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1
@@ -270,7 +274,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds) for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
   priced = [lockstep.plan_step_s(g, c, cm, pass_costs=pc, branch_remat=FLAGS.branch_remat,
-                                 schedule=FLAGS.schedule) for c in cands]
+                                 schedule=_schedule()) for c in cands]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
   chosen = {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}} if FLAGS.choose_lockstep else {}
   # Every candidate the multi role will time, in predicted order; a plan two methods found
@@ -347,7 +351,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
     hy = api.parallelize(
       model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
       program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat,
-                       "schedule": FLAGS.schedule},
+                       **({"schedule": _schedule()} if _schedule() else {})},
     )
     fn = lambda st, bt: hy.program.step_fn()(st, bt)
     return [fn, hy.init(), hy.program.shard_batch(batch)]
@@ -410,6 +414,11 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   )
   if jax.process_index() == 0:
     (work / f"multi_{name}.json").write_text(json.dumps(out))
+
+
+def _schedule() -> str | None:
+  """The schedule the program is told to run: None for 'auto' (the plan's own)."""
+  return None if FLAGS.schedule == "auto" else FLAGS.schedule
 
 
 # ---- driver -----------------------------------------------------------------------------------

@@ -61,6 +61,10 @@ _FBW = flags.DEFINE_boolean(
 _BOUND_SHARE = flags.DEFINE_float(
   "lockstep_bound_share", planner.PlannerOptions.lockstep_bound_share,
   "F/B/W cases: PlannerOptions.lockstep_bound_share (0: without the transfers bound, for A/B).")
+_GROUPS_MAX = flags.DEFINE_float(
+  "lockstep_groups_max_s", planner.PlannerOptions.lockstep_groups_max_s,
+  "F/B/W cases: PlannerOptions.lockstep_groups_max_s, the most seconds CP-SAT chooses the "
+  "lock-step groups after the search (0: skip it, for A/B).")
 _PLANS_DIR = flags.DEFINE_string(
   "plans_dir", None, "Write each case's plan and problem here (default: <out>_plans/ with --out)."
 )
@@ -167,6 +171,7 @@ def _main_fbw():
     opts = planner.PlannerOptions(
       devices=m, microbatches=k, time_limit_s=_TIME_LIMIT.value, threads=_THREADS.value,
       gap=_GAP.value, lockstep_bound_share=_BOUND_SHARE.value,
+      lockstep_groups_max_s=_GROUPS_MAX.value,
     )
     problem = planner.Problem.from_graph(graph, cost_model, opts)
     start = time.perf_counter()
@@ -195,7 +200,8 @@ def _main_fbw():
       device_peak_bytes=list(plan.device_peak_bytes), memory_caps_bytes=list(caps),
       fits=all(b <= c for b, c in zip(plan.device_peak_bytes, caps)) if caps else True,
       fused_makespan=plan.predicted_step_s, costs_fingerprint=problem.digest(),
-      lockstep_bound_share=_BOUND_SHARE.value,
+      lockstep_bound_share=_BOUND_SHARE.value, lockstep_groups_max_s=_GROUPS_MAX.value,
+      explicit_groups=getattr(plan.task_schedule, "groups", None) is not None,
     )
     if plans_dir:
       case.update(_write_plan(plans_dir, f"fbw_{name}_M{m}_k{k}", plan, problem))

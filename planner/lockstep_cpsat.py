@@ -64,6 +64,12 @@ MAX_CELLS = 400_000
 # limit before it is killed.
 _STARTUP_S = 0.7
 _GRACE_S = 10.0
+# Without a deterministic limit, a CP-SAT run stops once this many seconds pass without a better
+# solution (assumption, named here: with a complete hint its improvements on the paper models
+# came at most ~2 s apart once past the first second).
+STALL_S = 3.0
+# Fewest seconds of solving worth starting a child process for.
+_MIN_SOLVE_S = 0.3
 
 
 def _task_order(ops: Sequence[Op], deps: Sequence[tuple[int, int, int]]) -> dict[int, int]:
@@ -128,11 +134,15 @@ def improve(
   threads: int = 1,
   seed: int = 0,
   deterministic_time: float | None = None,
+  stall_s: float | None = STALL_S,
 ) -> tuple[TaskSchedule, float] | None:
   """A schedule with explicit groups for `assignment`, cheaper in lock step than `warm` and
   within `caps`, and its price; None when CP-SAT found none (or the model is too large, or the
-  child process failed: logged)."""
+  child process failed: logged). Without `deterministic_time`, the run also stops after
+  `stall_s` seconds without a better solution (None: never)."""
   t0 = time.monotonic()
+  if time_limit_s < _STARTUP_S + _MIN_SOLVE_S:
+    return None  # not worth starting OR-Tools
   k, split, M = warm.microbatches, warm.split, problem.devices
   kinds = ("F", "B", "W") if split else ("F", "B")
   ops = [Op(t, i, c) for t in kinds for i in range(problem.num_nodes) for c in range(k)]
@@ -195,7 +205,8 @@ def improve(
     devices=M, groups=G, dur=[units(problem.task_s(o.kind, o.node, split)) for o in ops],
     dev=dev, deps=deps, send=[units(_message_s(problem, assignment, o)) for o in ops],
     grad=grad, grad_node=[o.node for o in ops], grad_cap=lockstep_rule.GROUP_GRAD_BYTES,
-    memory=memory, hint=hint, threads=threads, seed=seed, deterministic_time=deterministic_time,
+    memory=memory, hint=hint, stall_s=stall_s, log=log.isEnabledFor(logging.DEBUG),
+    threads=threads, seed=seed, deterministic_time=deterministic_time,
     time_limit_s=max(0.1, time_limit_s - (time.monotonic() - t0) - _STARTUP_S),
   )
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lockstep_cpsat_worker.py")
@@ -209,6 +220,8 @@ def improve(
     log.warning("The lock-step CP-SAT search failed (%s%s); keeping the warm start.",
                 type(err).__name__, f": {detail.splitlines()[-1]}" if detail else "")
     return None
+  if proc.stderr.strip() and log.isEnabledFor(logging.DEBUG):
+    log.debug("lock-step CP-SAT progress:\n%s", proc.stderr.strip()[-4000:])
   if out.get("group") is None:
     return None
   group = out["group"]

@@ -153,15 +153,15 @@ class PlannerOptions:
   # Problems with at most this many F/B/W tasks also run the F/B/W MILP (fbw_milp.py): its
   # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
   fbw_milp_max_tasks: int = 48
-  # After the lock-step search, CP-SAT chooses the lock-step groups of the best placement's
-  # schedule (lockstep_cpsat.py; the plan then carries explicit groups) in at most
-  # lockstep_groups_share of the lock-step phase's time, and at most lockstep_groups_max_s
-  # seconds (None: the share alone; 0: skip it). Needs 'custom' in schedule_kinds. Its CP-SAT
-  # run stops at cpsat_deterministic_time when that is set. Measured (paper sizes, DGX-1 costs,
-  # two threads): Inception-V3 M=2 k=4 0.772 -> 0.697 s in 20 s; BigLSTM M=2 k=4 0.867 ->
-  # 0.751 s on its interleaved placement.
+  # After the lock-step search, CP-SAT chooses the lock-step groups of the schedules of the
+  # search's cheapest placements (lockstep_cpsat.py; the plan then carries explicit groups), in
+  # at most lockstep_groups_share of the lock-step phase's time and at most
+  # lockstep_groups_max_s seconds (None: the share alone; 0: skip it); each run also stops when
+  # it stalls (lockstep_cpsat.STALL_S) or, with cpsat_deterministic_time set, at that limit.
+  # Needs 'custom' in schedule_kinds. Measured (paper sizes, DGX-1 costs, two threads):
+  # Inception-V3 M=2 k=4 0.772 -> 0.697 s; BigLSTM M=2 k=4 0.8625 -> 0.751 s (its V placement).
   lockstep_groups_share: float = 0.25
-  lockstep_groups_max_s: float | None = 10.0
+  lockstep_groups_max_s: float | None = 20.0
 
   @property
   def work_limited(self) -> bool:

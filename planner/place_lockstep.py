@@ -120,12 +120,12 @@ def lockstep(
       problem, [c.assignment for c in found.values()], k, caps))
   if grouping and choice.step_s > bound * (1 + opts.gap):
     end = min(t_end, time.monotonic() + (opts.lockstep_groups_max_s or math.inf))
-    for j, cand in enumerate(ranked):
+    for cand in ranked:
       if choice.step_s <= bound * (1 + opts.gap):
         break
-      # The placements left share the time left (each CP-SAT run may end sooner, proven).
-      share = max(MIN_PHASE_S, (end - time.monotonic()) / (len(ranked) - j))
-      got = grouped(problem, opts, caps, cand, share)
+      # Cheapest placement first, each given all the time left: a run ends sooner when it stalls
+      # (lockstep_cpsat.STALL_S) or is proven optimal.
+      got = grouped(problem, opts, caps, cand, max(MIN_PHASE_S, end - time.monotonic()))
       if got.step_s < choice.step_s - 1e-15:
         choice = got
   return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}

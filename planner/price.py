@@ -2,7 +2,7 @@
 the asynchronous makespan of the same per-device orders.
 
 The program (jaxhybrid.program) runs a TaskSchedule in lock step: slots and groups by the rule of
-`lockstep_rule.lockstep_groups`, one `lax.switch` per group, then one `ppermute` per (shift,
+`lockstep_rule.lockstep_groups` (or the schedule's explicit groups), one `lax.switch` per group, then one `ppermute` per (shift,
 dtype) of the values that leave the group for another device. `lockstep_price` is that structure
 priced with the problem's numbers (program.lockstep.program_step_s prices the program itself):
 

@@ -9,7 +9,8 @@ F / B / W tasks. The SPMD program runs them in lock step:
   its B and W (only the new arrays of the node's pullback: arguments are re-read);
 - a task goes to the first *slot* after its device's previous task and after the slots of the
   tasks whose values it reads; consecutive slots merge into a *group* unless a task reads a
-  value another device made in the group. A group is one `lax.switch` on the model index;
+  value another device made in the group (a schedule with explicit `groups` names them
+  instead, checked against the same rules). A group is one `lax.switch` on the model index;
 - each group's conditional returns, per dtype, ONE flat packed buffer per device for its small
   values: first a region per message direction (shift), then the values the device keeps for
   itself (residuals included); every region is as long as the longest device's part, so the
