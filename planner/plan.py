@@ -17,6 +17,9 @@ from jaxhybrid.planner.task_schedule import TaskSchedule
 # `lockstep_bound_s`, `device_peak_bytes`, `memory_caps_bytes`, `lockstep_baselines`,
 # `lockstep_found_by`): additive, with defaults, so version-2 plans written before them load with
 # them empty (0.0 = not priced) and the version number stays (programs and tests key on it).
+# The same holds for `task_schedule.groups` (explicit lock-step groups, lockstep_cpsat): absent,
+# the program derives the groups from the orders; present, it runs them, and `lockstep_step_s`
+# prices them (a reader that ignores them would price and run the derived groups instead).
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
