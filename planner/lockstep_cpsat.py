@@ -23,9 +23,11 @@ themselves are the decision (TaskSchedule.groups; the program runs them as given
 G is the warm start's group count plus EXTRA_GROUPS_SHARE of it (at least EXTRA_GROUPS_MIN).
 Within a group a device runs its tasks in a topological order of the task graph. The solution is
 priced exactly (price.lockstep_price, peak_memory_bytes) and returned only if it is cheaper than
-the warm start and fits; the warm start's own groups are CP-SAT's hint. CP-SAT runs in a child
-process (lockstep_cpsat_worker.py) as in cpsat.py; with a deterministic time limit, fixed seed
-and one thread its result does not depend on the machine's load.
+the warm start and fits; the warm start's own groups are CP-SAT's hint, given for every variable
+so that the search starts from that schedule. CP-SAT runs in a child process
+(lockstep_cpsat_worker.py) as in cpsat.py, without presolve; with a deterministic time limit,
+fixed seed and one thread its result does not depend on the machine's load, and without one it
+stops after STALL_S seconds without a better solution.
 """
 
 from __future__ import annotations
