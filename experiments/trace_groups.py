@@ -39,7 +39,8 @@ flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "bench_mp's workdir (p
 flags.DEFINE_string("model", "gnmt", "Registry model the plan was made for.")
 flags.DEFINE_string("size", "small", "Model size preset (as bench_mp's --size).")
 flags.DEFINE_string("plan", "", "Plan JSON, relative to --workdir (default plan_{model}.json).")
-flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb"], "Task schedule the program runs.")
+flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb", "auto"],
+                  "Task schedule the program runs ('auto': the plan's own, as bench_mp --schedule=auto).")
 flags.DEFINE_integer("steps", 3, "Timed steps before the trace.")
 flags.DEFINE_integer("trace_steps", 2, "Traced steps.")
 flags.DEFINE_string("out", "", "Write the JSON here.")
@@ -87,7 +88,8 @@ def role_trace(work: pathlib.Path) -> None:
   hy = api.parallelize(
     spec.make(nnx.Rngs(0)), spec.loss_fn, optax.adam(1e-4), batch, mesh=mesh_lib.make("1x2"),
     microbatches=cfg["k"], plan=planner.Plan.load(_plan_path(work)),
-    program_options={"branch_remat": cfg["remat"], "schedule": FLAGS.schedule},
+    program_options={"branch_remat": cfg["remat"],
+                     **({} if FLAGS.schedule == "auto" else {"schedule": FLAGS.schedule})},
   )
   fn, state, shards = hy.program.step_fn(), hy.init(), hy.program.shard_batch(batch)
   for _ in range(2):  # the first compiles
@@ -233,7 +235,8 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   plan = planner.Plan.load(_plan_path(work))
   fwd, _ = lockstep.task_times(g, cm)
   _, st, _ = executor.structure_for(
-    g, plan.assignment, plan.devices, plan.microbatches, FLAGS.schedule,
+    g, plan.assignment, plan.devices, plan.microbatches,
+    plan.task_schedule if FLAGS.schedule == "auto" else FLAGS.schedule,
     order=structure_lib.plan_order(plan.schedule) or None, forward_s=fwd, branch_remat=cfg["remat"],
   )
   out = []
