@@ -154,7 +154,8 @@ class PlannerOptions:
   # optimum bounds the lock-step price from below and its order is a candidate; 0 = never.
   fbw_milp_max_tasks: int = 48
   # After the lock-step search, CP-SAT chooses the lock-step groups of the schedules of the
-  # search's cheapest placements (lockstep_cpsat.py; the plan then carries explicit groups), in
+  # search's cheapest placements, the cheapest one also in its other family (split or not)
+  # (lockstep_cpsat.py, place_lockstep.py; the plan then carries explicit groups), in
   # at most lockstep_groups_share of the lock-step phase's time and at most
   # lockstep_groups_max_s seconds (None: the share alone; 0: skip it); each run also stops when
   # it stalls (lockstep_cpsat.STALL_S) or, with cpsat_deterministic_time set, at that limit.

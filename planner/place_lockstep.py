@@ -7,7 +7,8 @@ import math
 import time
 from typing import Any, Mapping
 
-from jaxhybrid.planner import fbw_milp, fbw_search, lockstep_bound, lockstep_cpsat, placement_bound
+from jaxhybrid.planner import (fbw_milp, fbw_search, lockstep_bound, lockstep_cpsat, lockstep_order,
+                               placement_bound)
 from jaxhybrid.planner import heuristics as heur
 from jaxhybrid.planner import price as price_lib
 from jaxhybrid.planner.bounds import audited_bound
@@ -120,7 +121,11 @@ def lockstep(
       problem, [c.assignment for c in found.values()], k, caps))
   if grouping and choice.step_s > bound * (1 + opts.gap):
     end = min(t_end, time.monotonic() + (opts.lockstep_groups_max_s or math.inf))
-    for cand in ranked:
+    # The cheapest placement's schedule, the same placement's best of the other family (split
+    # or not: W tasks that may go into any later group can fill a pipeline's bubbles), then the
+    # other ranked placements.
+    other = other_family(problem, ranked[0], k, caps) if ranked else None
+    for cand in ranked[:1] + ([other] if other else []) + ranked[1:]:
       if choice.step_s <= bound * (1 + opts.gap):
         break
       # Cheapest placement first, each given all the time left: a run ends sooner when it stalls
@@ -129,6 +134,23 @@ def lockstep(
       if got.step_s < choice.step_s - 1e-15:
         choice = got
   return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
+
+
+def other_family(
+  problem: Problem, choice: fbw_search.Choice, k: int, caps: tuple[float, ...] | None,
+) -> fbw_search.Choice | None:
+  """The cheapest schedule of `choice`'s placement in the other family (split if it is not, and
+  the reverse) among the generated and lock-step orders, within the caps; None if none fits."""
+  split = not choice.schedule.split
+  cands = [(n, s) for n, s in (fbw_search.schedules_for(problem, choice.assignment, k)
+                               + lockstep_order.variants(problem, choice.assignment, k, (split,)))
+           if s.split == split]
+  got = fbw_search.best_schedule(problem, choice.assignment, k, caps, extra=cands, kinds=())
+  if got is None:
+    return None
+  name, schedule, step, mem = got
+  return fbw_search.Choice(choice.assignment, schedule, step, tuple(mem),
+                           f"{choice.found_by.split('/')[0]}/{name}")
 
 
 def grouped(

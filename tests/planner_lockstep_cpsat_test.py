@@ -229,3 +229,27 @@ def test_the_brute_force_of_a_two_node_chain_is_its_serial_time():
   assert _brute_force(prob, (0, 1), 1, False) == pytest.approx(3.0)
   # On one device the four tasks may share one group: the same total.
   assert _brute_force(prob, (0, 0), 1, False) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_other_family_is_the_same_placement_split_the_other_way(split):
+  from jaxhybrid.planner import place_lockstep
+
+  prob = Problem.build([1.0, 2.0, 2.0, 1.0], [(0, 1), (1, 2), (2, 3)], devices=2,
+                       transfer_s=0.1, activation_bytes=[1] * 4)
+  assign = (0, 0, 1, 1)
+  sch = ts.generate("zb" if split else "1f1b", 4, prob.edges, assign, 2, 3)
+  step = price.lockstep_price(prob, assign, sch).step_s
+  choice = fbw_search.Choice(assign, sch, step, tuple(price.peak_memory_bytes(prob, assign, sch)),
+                             "test/x")
+  other = place_lockstep.other_family(prob, choice, 3, None)
+  assert other is not None and other.assignment == assign
+  assert other.schedule.split is (not split)
+  ts.validate(other.schedule, 4, prob.edges, assign)
+  assert other.step_s == pytest.approx(price.lockstep_price(prob, assign, other.schedule).step_s)
+  # The cheapest of that family among the generated and lock-step orders.
+  every = [s for _, s in fbw_search.schedules_for(prob, assign, 3)
+           + lockstep_order.variants(prob, assign, 3) if s.split is (not split)]
+  assert other.step_s <= min(price.lockstep_price(prob, assign, s).step_s for s in every) + 1e-12
+  # Caps no schedule of that family meets: none.
+  assert place_lockstep.other_family(prob, choice, 3, (0.5, 0.5)) is None
