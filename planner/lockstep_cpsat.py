@@ -175,7 +175,7 @@ def improve(
   for j, group in enumerate(warm_groups):
     for _, o in group:
       hint[index[o]] = j
-  grad_task = [o.kind == "W" or (o.kind == "B" and not split) for o in ops]
+  grad_task = [lockstep_rule.is_grad_task(o, split) for o in ops]
   params = problem.param_bytes or None
   grad = [(int(params[o.node]) if params else lockstep_rule.GROUP_GRAD_BYTES + 1) if gt else -1
           for o, gt in zip(ops, grad_task)]

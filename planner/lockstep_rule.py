@@ -25,6 +25,19 @@ GROUP_GRAD_BYTES = 64 << 20
 LANE_MIN_BYTES = 256 << 10
 
 
+def is_grad_task(op: Op, split: bool) -> bool:
+  """Whether `op` writes its node's parameter gradient (B unsplit, or W)."""
+  return op.kind == "W" or (op.kind == "B" and not split)
+
+
+def too_many_grads(nodes: set[int], grad_bytes: Sequence[int] | None, cap: int) -> bool:
+  """Whether gradient tasks of `nodes` (distinct nodes, non-empty) write more than `cap` bytes
+  of parameter gradients (`grad_bytes` None: unknown, more than one node is too many)."""
+  if grad_bytes is None:
+    return len(nodes) > 1
+  return sum(grad_bytes[n] for n in nodes) > cap
+
+
 def lockstep_groups(
   schedule: TaskSchedule,
   edges: Sequence[tuple[int, int]],
@@ -101,14 +114,7 @@ def lockstep_groups(
   cap = GROUP_GRAD_BYTES if group_grad_bytes is None else group_grad_bytes
 
   def grad_task(op: Op) -> bool:
-    return op.kind == "W" or (op.kind == "B" and not schedule.split)
-
-  def too_many(d: int, nodes: set[int]) -> bool:
-    if not nodes:
-      return False
-    if grad_bytes is None:
-      return len(nodes) > 1
-    return sum(grad_bytes[n] for n in nodes) > cap
+    return is_grad_task(op, schedule.split)
 
   for slot in slots:
     crosses = any(made_in.get(t, d) != d for d, op in slot for t in reads.get(op, ()))
@@ -116,7 +122,7 @@ def lockstep_groups(
       for d in {d for d, op in slot if grad_task(op)}:
         have = grad_nodes.get(d, set())
         new = have | {op.node for dd, op in slot if dd == d and grad_task(op)}
-        if have and too_many(d, new):
+        if have and too_many_grads(new, grad_bytes, cap):
           crosses = True
           break
     if crosses or not groups:
@@ -169,12 +175,11 @@ def explicit_groups(
           f"task {tuple(op)} in group {g} on device {d} needs {tuple(t)} (group {tg}, device "
           f"{td}): a value from another device arrives only after its group, and a device runs "
           "its own tasks in order")
-    if op.kind == "W" or (op.kind == "B" and not schedule.split):
+    if is_grad_task(op, schedule.split):
       grads.setdefault((d, g), set()).add(op.node)
   for (d, g), nodes in sorted(grads.items()):
-    too_many = (len(nodes) > 1 if grad_bytes is None
-                else len(nodes) > 1 and sum(grad_bytes[n] for n in nodes) > cap)
-    if too_many:
+    # Several micro-batches of one node share its gradient window: one node always may.
+    if len(nodes) > 1 and too_many_grads(nodes, grad_bytes, cap):
       raise ValueError(f"group {g}: device {d}'s gradient tasks write more than "
                        f"{cap} bytes of parameter gradients; put them in separate groups")
   order = sorted({g for g, _, _ in where.values()})

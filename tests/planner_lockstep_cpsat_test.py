@@ -90,10 +90,9 @@ def _brute_force(prob: Problem, assign, k: int, split: bool) -> float:
   grads = prob.param_bytes or None
 
   def grad_ok(subset) -> bool:
-    nodes = {o.node for o in subset if o.kind == "W" or (o.kind == "B" and not split)}
-    if len(nodes) < 2:
-      return True
-    return grads is not None and sum(grads[n] for n in nodes) <= lockstep_rule.GROUP_GRAD_BYTES
+    nodes = {o.node for o in subset if lockstep_rule.is_grad_task(o, split)}
+    return len(nodes) < 2 or not lockstep_rule.too_many_grads(
+      nodes, grads, lockstep_rule.GROUP_GRAD_BYTES)
 
   def options(d: int, done: frozenset) -> list[tuple]:
     avail = [o for o in ops if assign[o.node] == d and o not in done and all(
@@ -139,7 +138,7 @@ def test_cpsat_groups_reach_the_brute_force_optimum(seed):
   k = 2
   warm = ts.generate("gpipe", n, prob.edges, assign, 2, k)
   warm_price = price.lockstep_price(prob, assign, warm).step_s
-  got = lockstep_cpsat.improve(prob, assign, warm, None, time_limit_s=60,
+  got = lockstep_cpsat.improve(prob, assign, warm, None, time_limit_s=600,
                                deterministic_time=_DET)
   step = warm_price if got is None else got[1]
   if got is not None:
@@ -160,7 +159,7 @@ def test_cpsat_groups_respect_memory_caps():
   warm = lockstep_order.lockstep_order(prob, assign, k, False, limit=2)
   assert price.fits(prob, assign, warm, caps)
   warm_price = price.lockstep_price(prob, assign, warm).step_s
-  got = lockstep_cpsat.improve(prob, assign, warm, caps, time_limit_s=60,
+  got = lockstep_cpsat.improve(prob, assign, warm, caps, time_limit_s=600,
                                deterministic_time=3 * _DET)
   assert got is not None  # the interleaved V has idle groups that regrouping removes
   sch, step = got
@@ -178,7 +177,8 @@ def test_place_returns_explicit_groups_that_beat_every_order():
                        transfer_s=0.05, activation_bytes=[1] * 4)
   opts = PlannerOptions(devices=2, microbatches=4, time_limit_s=600, milp_max_nodes=200,
                         cpsat_deterministic_time=_DET, lockstep_evaluations=200,
-                        search_evaluations=5, lockstep_groups_max_s=None, seed=0)
+                        search_evaluations=5, lockstep_groups_max_s=None,
+                        warm_start_max_s=None, seed=0)
   plan = place_problem(prob, opts)
   sch = plan.task_schedule
   ts.validate(sch, prob.num_nodes, prob.edges, plan.assignment)
@@ -195,32 +195,18 @@ def test_place_returns_explicit_groups_that_beat_every_order():
 
 @pytest.mark.parametrize("split", [False, True])
 def test_the_program_runs_explicit_groups_and_matches_the_reference(split):
-  # The LSTM stack in a V (as planner_lockstep_order_test), 2 micro-batches, each of the rule's
-  # slots made a group of its own: more groups than the rule derives, run as given.
-  import optax
-  import toy
-  from flax import nnx
-  from program_test import assert_matches_reference, build
+  # The LSTM stack in a V of planner_lockstep_order_test, its lock-step order with each of the
+  # rule's slots made a group of its own: more groups than the rule derives, run as given.
+  from planner_lockstep_order_test import run_v_lstm
 
-  model = toy.LSTMNet(rngs=nnx.Rngs(0))
-  batch = toy.lstm_batch(16)
-  opt = optax.adam(1e-2)
+  def explicit(prob, assign):
+    order = lockstep_order.lockstep_order(prob, assign, 2, split, limit=1, hard_limit=False)
+    sch = _slots_as_groups(prob, assign, order)
+    assert (price.lockstep_price(prob, assign, sch).groups
+            > price.lockstep_price(prob, assign, order).groups)
+    return sch
 
-  def v(node):
-    return 1 if node.name.split("/")[0] in ("l0", "l1") else 0
-
-  prog, p, s, pure = build(model, toy.lstm_loss, batch, "1x2", v, 2, opt)
-  g, assign = prog.graph, tuple(prog.assignment)
-  edges = sorted({(e.src, e.dst) for e in g.edges})
-  prob = Problem.build([1.0 + (i % 3) for i in range(len(g.nodes))], edges, devices=2,
-                       transfer_s=0.1)
-  order = lockstep_order.lockstep_order(prob, assign, 2, split, limit=1, hard_limit=False)
-  explicit = _slots_as_groups(prob, assign, order)
-  assert (price.lockstep_price(prob, assign, explicit).groups
-          > price.lockstep_price(prob, assign, order).groups)
-  prog, p, s, pure = build(model, toy.lstm_loss, batch, "1x2", v, 2, opt, schedule=explicit)
-  assert prog.schedule == explicit
-  assert_matches_reference(prog, p, s, pure, batch, opt)
+  run_v_lstm(explicit)
 
 
 def test_the_brute_force_of_a_two_node_chain_is_its_serial_time():
