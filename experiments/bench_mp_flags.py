@@ -1,0 +1,75 @@
+"""bench_mp's settings: its absl flags and per-model defaults (experiments/bench_mp.py says what
+the benchmark measures). Imported by bench_mp, whose worker roles get these flags on their
+command lines."""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_list("models", ["chain", "gnmt", "biglstm", "inception_v3"], "Models to benchmark.")
+flags.DEFINE_string("size", "small", "Model size preset (a step of about a second on one core).")
+flags.DEFINE_integer("batch", 0, "Per-worker batch (0: the model's bench default).")
+flags.DEFINE_integer("microbatches", 0, "Micro-batches for the plan (0: model default).")
+flags.DEFINE_string("planner", "milp", "Planner method.")
+# On by default since the lock-step model prices the conditionals' zero-fill (one run, batch 64,
+# k=4: it picked the faster plan for Inception-V3 and GNMT; results/bench_mp_lockstep_choice.json).
+flags.DEFINE_boolean("choose_lockstep", True, "Run whichever of the planner's plan and the "
+                     "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
+flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
+                     "first) on the two devices and run the fastest; 1 runs the lock-step "
+                     "model's choice untimed against the others.")
+flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size share one "
+                     "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
+flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_max_bytes=0 "
+                     "(step_s_plan_unpacked; v2 programs pack every group's messages alike).")
+flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb", "auto"],
+                  "Task schedule the program runs; 'auto': the planner's own choice among all of "
+                  "them and its lock-step orders and explicit groups ('custom').")
+flags.DEFINE_float("budget_s", 3000.0, "Wall time for the whole run, calibration included: a "
+                   "model's jobs get what is left and are stopped when it is spent, and models "
+                   "left then are skipped (each model's results are written as soon as they exist).")
+flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each forward task "
+                  "saves for its backward (HybridProgram.build's branch_remat).")
+flags.DEFINE_boolean("task_profiles", True, "Time each node's F and B tasks apart, as the program "
+                     "runs them (ProfiledCostModel tasks=True); False: fused, F share assumed.")
+flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
+flags.DEFINE_integer("steps", 8, "Timed steps per configuration (per round for the candidate plans and the paired one-device step).")
+flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
+flags.DEFINE_integer("rounds", 4, "Rounds in which the multi role times every candidate plan and "
+                     "the one-device step (rotated order; each figure is the median of all its steps).")
+flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
+flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: time each profiled "
+                   "function until its timed runs add up to this long (0: 5 runs).")
+flags.DEFINE_integer("profile_flush_bytes", 0, "ProfiledCostModel flush_bytes: write this many "
+                     "bytes before every timed run (data out of the caches, as in the program); 0: off.")
+flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
+                     "model's plain step on the other core, as the program keeps both cores busy.")
+flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
+                     "rows, what the program's other device works on) instead of the full batch.")
+flags.DEFINE_multi_string("set", [], "Model config override key=value (repeatable).")
+flags.DEFINE_string("workdir", "/tmp/jaxhybrid_bench_mp", "Scratch dir (plans, profiles).")
+flags.DEFINE_boolean("reuse_profiles", False, "Keep the node profiles an earlier run left in "
+                     "--workdir (default: measure them again, under this run's conditions).")
+flags.DEFINE_integer("lane_min_bytes", -1, "Values of at least this many bytes leave a group in "
+                     "a buffer of their own (-1: lockstep_rule.LANE_MIN_BYTES).")
+flags.DEFINE_integer("group_grad_bytes", -1, "Most gradient bytes per device in one group "
+                     "(-1: lockstep_rule.GROUP_GRAD_BYTES).")
+flags.DEFINE_string("out", "", "Write the JSON results here.")
+flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
+flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
+
+# Per-model bench defaults: (per-worker batch, micro-batches).
+# Batch 64: a one-core step of about a second on the small presets; four micro-batches of 4
+# cost GNMT 44 % over one batch of 16 on one core (small LSTM matmuls), of 16 over 64 9 %.
+# chain: 8 tanh layers of 256, batch 8192: a ~0.6 s one-core step; M=2, k=8 1F1B bound 16/9 =
+# 1.78x. (Width 1024 at batch 512: 8 micro-batches cost 1.6x the full batch, a ~1.1x cap.)
+# BigLSTM: each LSTM layer in 4 time chunks (BENCH_SETS), k=1: the layers overlap as a
+# wavefront over time on the full batch (session 14: 1.32x, paired 1.46x). Without chunks it
+# needs micro-batches, and 32-row ones cost 1.48x per row on one core: k=2 ran 0.96-1.07x
+# (paired 0.92-1.11x; --set time_chunks=1 --microbatches=2).
+BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 1), "chain": (8192, 8)}
+# Per-model config overrides under --set's (which win).
+BENCH_SETS = {"biglstm": {"time_chunks": 4}}
+
+# Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
+LOCKSTEP_CANDIDATES = ("dp", "interleaved")
