@@ -24,7 +24,7 @@ from program_test import (
 )
 
 from jaxhybrid.planner import lockstep_rule, task_schedule
-from jaxhybrid.program import executor, gradients, structure
+from jaxhybrid.program import executor, gradients, structure, tasks
 
 SCHEDULES = ["gpipe", "1f1b", "zb"]
 MESHES = ["1x1", "2x1", "1x2", "2x2", "4x2"]
@@ -103,16 +103,16 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
   for g, lay in enumerate(st.groups):
     by_dev = {}
     for d, writes in lay.writes.items():
-      by_dev[d] = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, dt, _, shape in writes)
+      by_dev[d] = sum(int(np.prod(shape)) * np.dtype(tasks.lane_dtype(dt)).itemsize for _, dt, _, shape in writes)
     # Regions are padded to the longest device's part: never more than each region's maximum.
     bound = 0
     for (_, dt), (_, length) in lay.regions.items():
-      bound += length * np.dtype(dt).itemsize
+      bound += length * np.dtype(tasks.lane_dtype(dt)).itemsize
     kept = {}
     for d, writes in lay.writes.items():
       for key, dt, off, shape in writes:
         if not any(a <= off < a + n for (_, rdt), (a, n) in lay.regions.items() if rdt == dt):
-          kept[(d, dt)] = kept.get((d, dt), 0) + int(np.prod(shape)) * np.dtype(dt).itemsize
+          kept[(d, dt)] = kept.get((d, dt), 0) + int(np.prod(shape)) * np.dtype(tasks.lane_dtype(dt)).itemsize
     for dt in {dt for _, dt in kept}:
       bound += max(v for (d, kdt), v in kept.items() if kdt == dt)
     assert per_group[g] == bound
