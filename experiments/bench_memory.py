@@ -8,9 +8,10 @@ step lowered from abstract inputs (arguments + temporaries per device), our pred
 (`HybridProgram.memory`) and their error; beside them, on the same M devices, plain data
 parallelism (`jax.jit`, parameters replicated) and FSDP (parameters and optimizer state sharded
 over all devices with `NamedSharding`). Nothing is allocated, so paper sizes run on a CPU host.
-Results are written after every row. Targets (issue "Program v2"): the uniform 8-layer chain at
+Results are written after every row. Targets: the uniform 8-layer chain at
 1x8 <= 0.25x and at 1x2 <= 0.6x its 1x1 bytes; 1F1B temp at k=16 <= 0.75x temp at k=4 (1x4,
-global batch 2048); predicted within 15 % of compiled; paper BigLSTM with AdaGrad fits a 16 GiB
+global batch 2048), and at most 1.10x with a fixed micro-batch size (`--fixed_microbatch` rows:
+the chain at 1x4, BigLSTM small at 1x2); predicted within 15 % of compiled; paper BigLSTM with AdaGrad fits a 16 GiB
 V100 at 1x2 and not at 1x1; hybrid within 1.3x of FSDP.
 """
 
@@ -29,6 +30,13 @@ _MODELS = flags.DEFINE_list(
 _MESHES = flags.DEFINE_list("model_axis", ["1", "2", "4", "8"], "M values (mesh 1xM).")
 _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zb"], "Task schedules.")
 _OUT = flags.DEFINE_string("out", "experiments/results/bench_memory.json", "Results JSON.")
+_FIXED_MB = flags.DEFINE_list(
+  "fixed_microbatch", ["chain:4", "biglstm:small:2"],
+  "<model>:<M> (chain, or <registry name>:<size>) whose 1F1B temp is compiled at k = 4, 8, 16 "
+  "with a fixed micro-batch size (FIXED_MB_ROWS rows): the batch grows with k.")
+# Rows per micro-batch of the fixed-micro-batch rows (assumption: small enough that a chain's
+# activations, not its parameters, are most of the temporaries at 1x4).
+FIXED_MB_ROWS = 32
 _BASELINES = flags.DEFINE_boolean("baselines", True, "Also compile plain-jit DP and FSDP.")
 _SLOT = flags.DEFINE_integer(
   "slot_min_bytes", -1, "structure.SLOT_MIN_BYTES for the program: leaves of this many bytes or "
@@ -59,7 +67,7 @@ def _chain_setup(width: int, layers: int, batch: int):
   return model, loss, spec, optax.adam(1e-3), assign
 
 
-def _registry_setup(name: str, size: str):
+def _registry_setup(name: str, size: str, batch_rows: int | None = None):
   import jax
   import optax
   from flax import nnx
@@ -71,6 +79,7 @@ def _registry_setup(name: str, size: str):
   from jaxhybrid.projection import paper_scenario
 
   per = paper_scenario.PAPER_MODELS[name].per_gpu_batch if size == "paper" else 8
+  per = batch_rows or per
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), spec.synthetic_batch(0, per))
   # The paper trains BigLSTM with AdaGrad (PAPER.md); Adam elsewhere.
   opt = optax.adagrad(0.2) if name == "biglstm" else optax.adam(1e-3)
@@ -191,6 +200,22 @@ def main(argv):
             f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%} | DP {dp:8.3f} FSDP "
             f"{fsdp:8.3f}", flush=True)
       _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+  for entry in _FIXED_MB.value:
+    name, m = entry.rsplit(":", 1)
+    for k in (4, 8, 16):
+      if name == "chain":
+        model, loss, batch, opt, assign = _chain_setup(256, 8, FIXED_MB_ROWS * k)
+      else:
+        model, loss, batch, opt, assign = _registry_setup(*name.split(":"), FIXED_MB_ROWS * k)
+      t0 = time.perf_counter()
+      hy = _hybrid(model, loss, batch, opt, assign, int(m), k, "1f1b")
+      r = hy.program.memory()
+      rows.append({"model": f"{name}@fixed_mb", "M": int(m), "k": k, "schedule": "1f1b",
+                   "microbatch_rows": FIXED_MB_ROWS, "nodes": len(hy.graph.nodes), **r.to_dict(),
+                   "seconds": time.perf_counter() - t0})
+      print(f"{name + '@fixed_mb':<18} 1x{m} k={k:<3} 1f1b  temp {r.compiled_temp / 2**20:8.2f} MiB "
+            f"err {r.error:+6.1%}", flush=True)
+      _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
   print(json.dumps(_summary(rows), indent=1))
   _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
 
@@ -220,6 +245,11 @@ def _summary(rows):
        if r["model"] == "chain_big_batch" and r["schedule"] == "1f1b"}
   if 4 in t and 16 in t:
     out["chain_1x4_temp_k16_over_k4"] = t[16] / t[4]
+  for model in sorted({r["model"] for r in rows if r["model"].endswith("@fixed_mb")}):
+    t = {r["k"]: r["compiled_temp"] for r in rows if r["model"] == model}
+    if 4 in t and 16 in t:
+      m = next(r["M"] for r in rows if r["model"] == model)
+      out[f"{model.split('@')[0]}_1x{m}_1f1b_temp_k16_over_k4_fixed_microbatch"] = t[16] / t[4]
   errs = [abs(r["error"]) for r in rows if r["error"] is not None]
   if errs:
     out["prediction_error_max"] = max(errs)
