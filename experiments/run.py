@@ -20,6 +20,7 @@ from absl import logging as absl_logging
 from jaxhybrid import errors
 from jaxhybrid.train import dry_run, run_report, runner
 
+FLAGS = flags.FLAGS
 _MODEL = flags.DEFINE_string("model", "biglstm", "biglstm | gnmt | inception_v3.")
 _SIZE = flags.DEFINE_string("size", None, "tiny | small | paper (default: paper on GPU, tiny on CPU).")
 _MESH = flags.DEFINE_string("mesh", "4x2", "DATAxMODEL device mesh, e.g. 16x2 (-1 fills from devices).")
@@ -57,8 +58,12 @@ def main(argv):
     sys.exit(2)
   # Logs and progress go to stdout; stderr is kept for the one-line error.
   absl_logging.get_absl_handler().python_handler.stream = sys.stdout
+  # Quiet by default: the progress bar and the final report (plan and results); the planner's
+  # and the advisor's INFO lines (bounds, warm starts, every priced plan) with --verbosity=1.
+  detail = logging.INFO if FLAGS.verbosity >= 1 else logging.WARNING
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
-  logging.getLogger("jaxhybrid").setLevel(logging.INFO)
+  logging.getLogger("jaxhybrid").setLevel(detail)
+  logging.getLogger("mip").setLevel(detail)
   try:
     config = runner.RunConfig(
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
@@ -77,6 +82,9 @@ def main(argv):
     sys.exit(2)
   if "memory" in results and "metrics" not in results:
     print(results["memory_table"])
+    if results.get("does_not_fit"):
+      sys.stderr.write(f"error: {results['does_not_fit']}\n")
+      sys.exit(2)
   else:
     print(run_report.format_report(results))
 

@@ -24,3 +24,7 @@ class NonFiniteLossError(UsageError):
     self.step = step
     # The last checkpointed step (None: no checkpoint was written).
     self.last_checkpoint = last_checkpoint
+
+
+class DoesNotFitError(UsageError):
+  """No plan fits the devices' memory (the planner's static check or its solve was infeasible)."""

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxhybrid.models import config_checks
 from jaxhybrid.models.lstm import LSTM, uniform_init
 
 SAMPLED_IDS = "sampled_ids"  # the batch key of the shared negative samples
@@ -74,6 +75,8 @@ class BigLSTMConfig:
   time_chunks: int = 1
 
   def __post_init__(self):
+    config_checks.check_fields(
+      self, non_negative=("num_sampled",), positive=("init_scale",))
     if self.num_layers < 1 or self.unroll < 1:
       raise ValueError(f"num_layers={self.num_layers} and unroll={self.unroll} must be >= 1.")
     if self.time_chunks < 1 or self.unroll % self.time_chunks:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.models import losses
+from jaxhybrid.models import config_checks, losses
 from jaxhybrid.models.lstm import LSTM, BiLSTM, uniform_init
 
 PAD_ID = 0
@@ -78,6 +78,9 @@ class GNMTConfig:
   time_chunks: int = 1
 
   def __post_init__(self):
+    config_checks.check_fields(
+      self, non_negative=("residual_start",), unit_interval=("label_smoothing",),
+      positive=("init_scale",))
     if (self.time_chunks < 1 or self.max_source_length % self.time_chunks
         or self.max_target_length % self.time_chunks):
       raise ValueError(

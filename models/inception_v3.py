@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxhybrid.models import losses
+from jaxhybrid.models import config_checks, losses
 
 _PAPER_IMAGE_SIZE = 299  # Szegedy et al. 2016, Table 1.
 _MIN_IMAGE_SIZE = 75  # smallest input for which every VALID conv/pool keeps >= 1 pixel.
@@ -69,6 +69,8 @@ class InceptionV3Config:
   param_dtype: str = "float32"
 
   def __post_init__(self):
+    config_checks.check_fields(
+      self, unit_interval=("label_smoothing", "bn_momentum"), positive=("bn_epsilon",))
     if self.image_size < _MIN_IMAGE_SIZE:
       raise ValueError(
         f"image_size={self.image_size} is too small for Inception-V3; use >= {_MIN_IMAGE_SIZE}."

@@ -35,3 +35,13 @@ __all__ = [
   "advise_workload", "device_memory_bytes", "fits_memory", "format_advice", "planned_s_mp",
   "plot_advice", "price_plan", "search",
 ]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,3 +32,13 @@ __all__ = [
   "dispatch_time_s", "kernel_count", "median_time_s", "ring_allreduce_time_s", "ring_bottleneck",
   "time_graph", "time_node", "time_node_tasks", "time_table", "transfer_time_s",
 ]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

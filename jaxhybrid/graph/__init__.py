@@ -26,3 +26,13 @@ __all__ = [
   "BATCH", "DEFAULT_MAX_NODES", "PARAM", "ROOT", "STATE", "Edge", "EqnCost", "Node", "OpGraph", "aval_bytes",
   "eqn_cost", "is_linen_module", "is_nnx_module", "nnx_pure_loss", "trace", "trace_function",
 ]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,3 +16,13 @@ from jaxhybrid.program.hybrid import CHECK_VMA, HybridProgram
 from jaxhybrid.program.structure import DEFAULT_PACK_MAX_BYTES, TrainState
 
 __all__ = ["CHECK_VMA", "DEFAULT_PACK_MAX_BYTES", "HybridProgram", "TrainState"]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

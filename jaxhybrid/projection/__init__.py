@@ -39,3 +39,13 @@ __all__ = [
   "format_table", "intra_node_bus_bandwidth", "plot", "project", "s_mp_from_json",
   "single_device_time_to_accuracy", "speedup", "step_time",
 ]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

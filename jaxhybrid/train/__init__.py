@@ -11,3 +11,13 @@ May import: `jaxhybrid.api` and everything below it, `jaxhybrid.projection`, `ja
 from jaxhybrid.train.loop import NoiseScaleOptions, TrainResult, fit, read_metrics, truncate_metrics
 
 __all__ = ["NoiseScaleOptions", "TrainResult", "fit", "read_metrics", "truncate_metrics"]
+
+
+def __getattr__(name: str):
+  """Loads a submodule on first attribute access (`import jaxhybrid`, then `jaxhybrid.<pkg>.<mod>`)."""
+  import importlib
+  import importlib.util
+
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

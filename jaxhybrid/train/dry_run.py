@@ -49,10 +49,17 @@ def run(config: Any) -> dict[str, Any]:
   config = runner._resolve(config)  # noqa: SLF001 (the run's own defaults)
   runner.validate(config)
   os.makedirs(config.workdir, exist_ok=True)
-  _, hybrid, _ = runner.build(config, abstract=True)
+  try:
+    _, hybrid, _ = runner.build(config, abstract=True)
+    planner_error = None
+  except errors.DoesNotFitError as e:
+    # Plan without caps: the table then shows what the model needs on these devices.
+    planner_error = str(e)
+    _, hybrid, _ = runner.build(config, abstract=True, uncapped=True)
   report = hybrid.program.memory()
   capacity = hw_lib.get(hw_name).memory_bytes
   table = report.table(capacity)
+  fits = report.fits(capacity) and planner_error is None
   plan_memory = _plan_memory(hybrid.plan, report)
   if plan_memory["lines"]:
     table = table + "\n" + "\n".join(plan_memory["lines"])
@@ -76,7 +83,10 @@ def run(config: Any) -> dict[str, Any]:
     "memory_table": table,
     "memory_hardware": hw_name,
     "memory_capacity_bytes": capacity,
-    "fits": report.fits(capacity),
+    "fits": fits,
+    "does_not_fit": None if fits else _advice(
+      config, report, capacity, hybrid.plan, hybrid.mesh.shape[mesh_lib.DATA],
+      hybrid.mesh.shape[mesh_lib.MODEL]),
     "mesh": {"data": hybrid.mesh.shape[mesh_lib.DATA], "model": hybrid.mesh.shape[mesh_lib.MODEL]},
   }
   try:
@@ -88,6 +98,18 @@ def run(config: Any) -> dict[str, Any]:
       f"--workdir={config.workdir!r} is not writable ({e.strerror or e}): pass a folder you can "
       "write to") from None
   return results
+
+
+def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: int) -> str:
+  """One line: which model-axis devices do not fit, by how much, and what to try."""
+  gib = float(1 << 30)
+  need = report.compiled if report.compiled is not None else report.predicted
+  peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
+  over = [d for d, b in enumerate(peaks) if b > capacity] or list(range(len(peaks) or 1))
+  return (f"does not fit: model-axis device(s) {', '.join(map(str, over))} need "
+          f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB; try more model devices "
+          f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch}) or more --microbatches "
+          f"(now {config.microbatches})")
 
 
 def _plan_memory(plan: Any, report: Any) -> dict[str, Any]:

@@ -221,7 +221,9 @@ def validate(config: RunConfig) -> None:
     raise errors.UsageError(f"--clip_norm={config.clip_norm}: use a positive norm, or 0 for no clipping")
   if config.microbatches < 1:
     raise errors.UsageError(f"--microbatches={config.microbatches}: use 1 or more")
-  if config.batch is not None and (config.batch < 1 or config.batch % config.microbatches):
+  if config.batch is not None and config.batch < 1:
+    raise errors.UsageError(f"--batch={config.batch}: must be positive (examples per worker)")
+  if config.batch is not None and config.batch % config.microbatches:
     raise errors.UsageError(
       f"--batch={config.batch} (per worker) is not divisible by --microbatches={config.microbatches}: "
       f"use a multiple of {config.microbatches}, e.g. --batch={config.microbatches * max(1, config.batch // config.microbatches)}")
@@ -234,6 +236,25 @@ def validate(config: RunConfig) -> None:
   lr = config.learning_rate
   if lr is not None and not (math.isfinite(lr) and lr > 0):
     raise errors.UsageError(f"--learning_rate={config.learning_rate}: use a positive number")
+  # The model config's own checks (models/config_checks.py), before tracing; before the size is
+  # resolved, against the tiny preset (run() validates again once it is).
+  model_spec(config if config.size else dataclasses.replace(config, size="tiny"))
+
+
+def model_spec(config: RunConfig):
+  """The registry entry of --model/--size with the --set overrides applied.
+
+  Raises:
+    UsageError: an unknown field or a value its config does not allow, naming the --set item.
+  """
+  from jaxhybrid import models
+
+  try:
+    return models.get(config.model, config.size, **dict(config.overrides))
+  except (ValueError, TypeError) as e:
+    if any(str(e).startswith(f"{key}=") for key, _ in config.overrides):
+      raise errors.UsageError(f"--set {e}") from None
+    raise errors.UsageError(f"--model/--size/--set: {e}") from None
 
 
 def _prepare_workdir(config: RunConfig) -> None:
@@ -293,9 +314,10 @@ def _optimizer(config: RunConfig):
   return optax.chain(optim.clip_by_global_norm(config.clip_norm), opt) if config.clip_norm else opt
 
 
-def build(config: RunConfig, *, abstract: bool = False):
+def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
   """Model, data and the placed, compiled hybrid step for a resolved config (`abstract`: the
-  model from `nnx.eval_shape`, no parameter allocated, for `--dry_run`).
+  model from `nnx.eval_shape`, no parameter allocated, for `--dry_run`; `uncapped`: plan without
+  memory caps, so that a dry run can show what a model that fits nowhere would need).
 
   Returns:
     (spec, hybrid, batch_fn).
@@ -309,10 +331,7 @@ def build(config: RunConfig, *, abstract: bool = False):
   from jaxhybrid import api, models
   from jaxhybrid import planner as planner_lib
 
-  try:
-    spec = models.get(config.model, config.size, **dict(config.overrides))
-  except (ValueError, TypeError) as e:
-    raise errors.UsageError(f"--model/--size/--set: {e}") from None
+  spec = model_spec(config)
   try:
     mesh = mesh_lib.make(mesh_lib.parse(config.mesh))
   except ValueError as e:
@@ -338,10 +357,13 @@ def build(config: RunConfig, *, abstract: bool = False):
     hybrid = api.parallelize(
       model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
       microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
-      planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed}, plan=plan,
+      planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
+                       **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,
       # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
       program_options={} if config.schedule == "auto" else {"schedule": config.schedule},
     )
+  except planner_lib.InfeasibleError as e:
+    raise errors.DoesNotFitError(f"{e}") from None
   except ValueError as e:
     raise errors.UsageError(f"{e}") from None
   # api.parallelize gives every process process 0's plan.

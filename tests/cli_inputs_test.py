@@ -1,0 +1,104 @@
+"""The main job's bad inputs: each is one line on stderr and exit status 2, before any tracing;
+`--dry_run` on a model that does not fit prints the fit table, then says what to try; the main
+job is quiet at the default verbosity; the names the guide uses resolve after `import jaxhybrid`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from run_test import run_py
+
+from jaxhybrid import errors
+from jaxhybrid.models import biglstm, gnmt, inception_v3
+from jaxhybrid.train import runner
+
+
+@pytest.mark.parametrize(
+  "args,flag",
+  [
+    (["--set", "hidden_size=-4"], "--set hidden_size=-4"),
+    (["--set", "num_layers=0"], "--set num_layers=0"),
+    (["--set", "dtype=int7"], "--set dtype='int7'"),
+    (["--set", "embed_size=2.5"], "--set embed_size=2.5"),
+    (["--set", "nonsense=3"], "nonsense"),
+    (["--batch=-1"], "--batch=-1"),
+    (["--batch=0"], "--batch=0"),
+    (["--steps=0"], "--steps=0"),
+    (["--microbatches=0"], "--microbatches=0"),
+    (["--mesh=0x2"], "--mesh"),
+    (["--mesh=2xbig"], "--mesh"),
+  ],
+)
+def test_bad_cli_input_is_one_line_and_exit_2(args, flag, tmp_path):
+  proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=1", f"--workdir={tmp_path / 'wd'}",
+                *args, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+  assert flag in lines[0], lines[0]
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "wd").exists(), "nothing runs (or is written) after a bad input"
+
+
+@pytest.mark.parametrize(
+  "cls,field,value",
+  [
+    (biglstm.BigLSTMConfig, "hidden_size", -4),
+    (biglstm.BigLSTMConfig, "num_sampled", -1),
+    (biglstm.BigLSTMConfig, "param_dtype", "float7"),
+    (gnmt.GNMTConfig, "label_smoothing", 1.0),
+    (gnmt.GNMTConfig, "vocab_size", "many"),
+    (gnmt.GNMTConfig, "share_embedding", 3),
+    (inception_v3.InceptionV3Config, "bn_momentum", 1.5),
+    (inception_v3.InceptionV3Config, "bn_epsilon", 0.0),
+    (inception_v3.InceptionV3Config, "num_classes", True),
+  ],
+)
+def test_model_configs_name_the_bad_field(cls, field, value):
+  with pytest.raises(ValueError, match=f"^{field}="):
+    dataclasses.replace(cls.tiny(), **{field: value})
+
+
+def test_every_preset_passes_its_own_checks():
+  for cls in (biglstm.BigLSTMConfig, gnmt.GNMTConfig, inception_v3.InceptionV3Config):
+    for preset in (cls.tiny, cls.small, cls.paper):
+      assert dataclasses.replace(preset()) == preset()
+
+
+def test_validate_checks_the_model_config_before_the_size_is_resolved():
+  config = runner.RunConfig(model="gnmt", overrides=(("hidden_size", 0),))
+  with pytest.raises(errors.UsageError, match=r"^--set hidden_size=0: must be >= 1$"):
+    runner.validate(config)
+
+
+def test_dry_run_of_a_model_that_does_not_fit_prints_the_table(tmp_path):
+  proc = run_py("--model=biglstm", "--size=paper", "--mesh=1x1", "--dry_run",
+                f"--workdir={tmp_path}", timeout=600)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "memory per device" in proc.stdout and "does NOT fit" in proc.stdout, proc.stdout
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr[-2000:]
+  assert "device(s) 0" in lines[0] and "--mesh=1x2" in lines[0] and "--microbatches" in lines[0]
+  assert (tmp_path / "results.json").exists()
+
+
+def test_main_job_is_quiet_at_the_default_verbosity(tmp_path):
+  proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2",
+                "--planner=etf", "--progress=false", f"--workdir={tmp_path}", timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  log_lines = [ln for ln in proc.stdout.splitlines() if ln[:1] in "IW" and ln[1:5].isdigit()]
+  assert not log_lines, log_lines[:5]
+  assert "Plan:" in proc.stdout and "loss" in proc.stdout
+
+
+def test_the_guides_names_resolve_after_import_jaxhybrid():
+  import jaxhybrid
+
+  assert callable(jaxhybrid.program.lockstep.plan_step_s)
+  assert callable(jaxhybrid.planner.lockstep_rule.lockstep_groups)
+  assert jaxhybrid.costs.hardware.get("dgx1-v100").memory_bytes > 0
+  assert jaxhybrid.models.biglstm.BigLSTMConfig.tiny().num_layers >= 1
+  with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):
+    jaxhybrid.program.not_a_module
