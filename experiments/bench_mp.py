@@ -299,7 +299,7 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   plans = [planner.Plan.load(work / f"plan_{name}_{i}.json") for i in range(n)]
   # One device, as a user would run it, timed in the same processes as the plans: each process
   # runs plain jit on its own core at the same time (both cores busy, as under the plan). Steps
-  # of one program differ 15-50 % between minutes on this VM (session 18: the same GNMT plan
+  # of one program differ 15-50 % between minutes on this VM (measured: the same GNMT plan
   # 0.41 s, then 0.62 s ten minutes later in the same processes), so every configuration is
   # timed in each of --rounds rounds, in a rotated order, and its figure is the median over all
   # its timed steps; the per-round medians are kept beside it.

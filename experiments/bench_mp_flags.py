@@ -64,7 +64,7 @@ flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 # chain: 8 tanh layers of 256, batch 8192: a ~0.6 s one-core step; M=2, k=8 1F1B bound 16/9 =
 # 1.78x. (Width 1024 at batch 512: 8 micro-batches cost 1.6x the full batch, a ~1.1x cap.)
 # BigLSTM: each LSTM layer in 4 time chunks (BENCH_SETS), k=1: the layers overlap as a
-# wavefront over time on the full batch (session 14: 1.32x, paired 1.46x). Without chunks it
+# wavefront over time on the full batch (measured 1.32x, paired 1.46x). Without chunks it
 # needs micro-batches, and 32-row ones cost 1.48x per row on one core: k=2 ran 0.96-1.07x
 # (paired 0.92-1.11x; --set time_chunks=1 --microbatches=2).
 BENCH_DEFAULTS = {"inception_v3": (64, 4), "gnmt": (64, 4), "biglstm": (64, 1), "chain": (8192, 8)}

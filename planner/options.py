@@ -134,7 +134,7 @@ class PlannerOptions:
   lockstep_evaluations: int | None = None
   # Assumption: once cooled (fbw_search.ANNEAL_COOL_MOVES moves), the lock-step annealing stops
   # after this many moves in a row without a faster plan (None: only the time limit stops it).
-  # Measured (session 12, 30 s runs on the paper problems): between two improvements of the best
+  # Measured (30 s runs on the paper problems): between two improvements of the best
   # plan at most 163 placements were priced on GNMT, 129 on Inception-V3 after its first 633.
   lockstep_patience: int | None = 400
   # With the lock-step objective, the most seconds the warm-start phases before the lock-step

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import DETERMINISTIC_PLANNER
 from flax import linen as nn
 from flax import nnx
 
@@ -157,7 +158,7 @@ def test_two_towers_plan_on_two_devices_at_one_microbatch():
   model = TwoTowers(512, rngs=nnx.Rngs(0))
   hy = api.parallelize(
     model, mse, optax.sgd(0.1), regression_batch(256, 512), mesh="1x2", microbatches=1,
-    costs=V100, planner="milp", planner_options={"time_limit_s": 30},
+    costs=V100, planner="milp", planner_options=DETERMINISTIC_PLANNER,
   )
   g, plan = hy.graph, hy.plan
   assert plan.status == "optimal"  # k = 1: the block decomposition is exact

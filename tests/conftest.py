@@ -10,6 +10,13 @@ import os
 COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Measured CPU costs (hardware profile, node profiles) go to a cache of this test run only, so no
+# test's plan depends on the user's cache or on what ran before it on this machine. Set before
+# anything reads it; subprocesses started by tests inherit it.
+if "JAXHYBRID_PROFILE_CACHE" not in os.environ:
+  import tempfile
+
+  os.environ["JAXHYBRID_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="jaxhybrid-test-profiles-")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags = f"{_flags} {COMPILE_FLAGS}"
@@ -55,6 +62,15 @@ def planner_bound_errors():
   finally:
     logger.removeHandler(handler)
   assert not handler.names, f"the planner reported invalid lower bounds: {handler.names}"
+
+
+# Planner options that stop every search by work done, never by the clock (the time limit is a
+# safety net far above the work): the same test plans the same way on a busy machine.
+DETERMINISTIC_PLANNER = dict(
+  time_limit_s=600.0, threads=1, seed=0, milp_max_nodes=500, cpsat_deterministic_time=0.5,
+  search_evaluations=20, lockstep_evaluations=30, lockstep_groups_max_s=None,
+  warm_start_max_s=None,
+)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

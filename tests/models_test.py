@@ -25,7 +25,7 @@ JOZEFOWICZ_BIG_LSTM = 1.8e9  # Jozefowicz et al. 2016, Table 1 (two significant 
 
 @functools.cache
 def _abstract(name: str, size: str, **overrides) -> nnx.Module:
-  """Abstract model, built once per test session (paper sizes only ever abstractly)."""
+  """Abstract model, built once per test run (paper sizes only ever abstractly)."""
   return models.get(name, size, **overrides).abstract_model()
 
 

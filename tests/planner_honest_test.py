@@ -1,4 +1,4 @@
-"""Honest bounds and kept time limits of `place` (issue 16, items 2-4).
+"""Honest bounds and kept time limits of `place`.
 
 Every planner run here stops by work limits (PlannerOptions.cpsat_deterministic_time,
 milp_max_nodes, search_evaluations) under a time limit far above what the work takes, so the
@@ -224,7 +224,7 @@ def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
 
 def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkeypatch):
   # The limits each phase is given (not what it reached): the warm-start phases get at most
-  # warm_start_max_s, and the lock-step search at least its kept share of the limit (session 12:
+  # warm_start_max_s, and the lock-step search at least its kept share of the limit (measured:
   # a 3.4 s MILP build on a 0.67 s share had left it 0.05 s).
   from jaxhybrid.planner import fbw_search
 
@@ -246,7 +246,7 @@ def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkey
 def test_the_search_is_never_worse_than_plain_annealing():
   # The annealing the planner runs is one of its candidates: whatever CP-SAT and the MILP do in
   # their time, the plan is at least as good as annealing from the best heuristic with the same
-  # evaluations (the plan of issue 16 was 5 % worse than a plain annealing).
+  # evaluations (a plan made without it was 5 % worse than a plain annealing).
   prob = _inception_like(blocks=3, devices=2, seed=1)
   k = 4
   opts = planner.PlannerOptions(devices=2, microbatches=k, gap=0.0, search_chains=1,

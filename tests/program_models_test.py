@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import subprocess_env
+from conftest import DETERMINISTIC_PLANNER, subprocess_env
 
 from jaxhybrid import api, models
 from jaxhybrid import graph as graph_lib
@@ -87,7 +87,7 @@ def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b", override
   opt = optax.sgd(INCEPTION_LR) if name == "inception_v3" else optax.adam(1e-3)
   hy = api.parallelize(
     model, spec.loss_fn, opt, batch, mesh=mesh_spec, microbatches=k, planner=planner,
-    planner_options={"time_limit_s": 10}, max_nodes=max_nodes,
+    planner_options=DETERMINISTIC_PLANNER, max_nodes=max_nodes,
     program_options={"schedule": schedule},
   )
   if shape.model > 1 and (k > 1 or name == "inception_v3" or overrides):

@@ -58,12 +58,17 @@ def run_program(prog, params, batch, steps=STEPS):
 
 
 def assert_matches_reference(prog, params, state, pure, batch, opt):
-  """Losses and parameters after STEPS steps equal plain single-device training (rtol 1e-5)."""
+  """Losses and parameters after STEPS steps equal plain single-device training (rtol 1e-5), and
+  training changed the parameters by more than that tolerance (a program and a reference that
+  both skipped the update would otherwise agree)."""
+  before = [np.array(x) for x in jax.tree.leaves(params)]
   losses, leaves, _ = run_program(prog, params, batch)
   ref_losses, ref_leaves = reference_run(pure, params, state, batch, opt)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for a, b in zip(leaves, ref_leaves):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  moved = max(float(np.max(np.abs(np.asarray(a) - b0))) for a, b0 in zip(leaves, before))
+  assert moved > 1e-4, f"the parameters moved by at most {moved:.1e}: nothing was trained"
 
 
 def split_lstm(node):

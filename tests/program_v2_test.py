@@ -165,6 +165,25 @@ def test_1f1b_temp_memory_falls_as_microbatches_grow():
   assert _temp_bytes("gpipe", 16) > t16
 
 
+def test_1f1b_temp_memory_is_flat_in_microbatches_at_a_fixed_microbatch_size():
+  """1F1B keeps at most M micro-batches in flight, so with a fixed micro-batch size (32 rows)
+  the temporaries must not grow with k. Values with different lifetimes sharing one packed
+  buffer, and each micro-batch's loss read at the end, once made k=16 1.67x k=4 here."""
+
+  def temp(k):
+    model = toy.Chain(width=256, layers=8, rngs=nnx.Rngs(0))
+    batch = toy.regression_batch(32 * k)
+    prog, p, _, _ = build(
+      model, toy.mse_nnx, batch, "1x4", lambda n: toy.chain_stage(n, 4, 8), k, optax.adam(1e-3),
+      schedule="1f1b",
+    )
+    ts = prog.init_state(jax.tree.leaves(p))
+    return prog.lower(ts, batch).compile().memory_analysis().temp_size_in_bytes
+
+  t4, t16 = temp(4), temp(16)
+  assert t16 <= 1.15 * t4, (t4, t16, t16 / t4)
+
+
 def test_gradient_additions_are_not_put_off_past_later_groups():
   """Each conditional after a gradient group reads the buffers its windows were added into
   (`executor._token`), so XLA adds them before it runs instead of keeping every window alive:

@@ -22,7 +22,7 @@ def test_example_trains_like_single_device(name):
   assert hybrid[-1] < hybrid[0]
 
 
-def test_readme_sections_point_at_the_examples():
-  text = open(os.path.join(os.path.dirname(EXAMPLES), "README_SECTIONS.md")).read()
+def test_the_readme_points_at_the_examples():
+  text = open(os.path.join(os.path.dirname(os.path.dirname(EXAMPLES)), "README.md")).read()
   for name in ("own_nnx.py", "own_linen.py", "--mesh=16x2", "--resume", "results.json"):
     assert name in text

@@ -1,0 +1,152 @@
+"""Renders the figure tables of README.md and docs/benchmarks.md from experiments/results/*.json.
+
+  python experiments/docs_figures.py           # rewrite the tables in place
+  python experiments/docs_figures.py --check   # exit 1 if a table differs from its results file
+
+Each table sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` and is generated
+here, so that a figure in the docs cannot drift from the file it names (tests/docs_figures_test.py
+runs the check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "experiments", "results")
+DOCS = ("README.md", os.path.join("docs", "benchmarks.md"), os.path.join("docs", "paper.md"))
+
+
+def _load(name: str):
+  with open(os.path.join(RESULTS, name)) as f:
+    return json.load(f)
+
+
+def _pct(x: float | None) -> str:
+  return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _x(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:.2f}x"
+
+
+def bench_mp(name: str = "bench_mp.json") -> str:
+  """Measured 2-way speedup on two pinned one-core processes, per model."""
+  rows = ["| model | one device (s) | plan speedup | vs DP bucketed | vs GSPMD TP | step error (mean) |",
+          "|---|---|---|---|---|---|"]
+  for r in _load(name):
+    rows.append(
+      f"| {r['model']} | {r['step_s_1dev']:.3f} | {_x(r.get('measured_speedup'))} | "
+      f"{_x(r.get('ratio_vs_dp_bucketed'))} | {_x(r.get('ratio_vs_gspmd_tp'))} | "
+      f"{_pct(r.get('step_prediction_error_mean'))} |")
+  return "\n".join(rows) + f"\n\nSource: `experiments/results/{name}`."
+
+
+def bench_memory() -> str:
+  """Per-device compiled memory against FSDP and one device, and the k-growth ratios."""
+  s = _load("bench_memory.json")["summary"]
+  keys = [k for k in sorted(s) if k.endswith("_over_fsdp") or k.endswith("_over_1x1")
+          or "k16_over_k4" in k]
+  rows = ["| figure | value |", "|---|---|"]
+  rows += [f"| `{k}` | {s[k]:.3f} |" for k in keys]
+  if "prediction_error_max" in s:
+    rows.append(f"| `prediction_error_max` (predicted vs compiled) | {_pct(s['prediction_error_max'])} |")
+  return "\n".join(rows) + "\n\nSource: `experiments/results/bench_memory.json` (`summary`)."
+
+
+def bench_planner_fbw() -> str:
+  """Lock-step price, bound gap and solve time of the planner on the paper-size problems."""
+  rows = ["| model | M | k | lock-step step (ms) | gap | solve (s) | speedup vs one device |",
+          "|---|---|---|---|---|---|---|"]
+  for r in _load("bench_planner_fbw.json"):
+    rows.append(f"| {r['model']} | {r['devices']} | {r['microbatches']} | "
+                f"{1e3 * r['lockstep_step_s']:.0f} | {_pct(r['gap'])} | {r['solve_time_s']:.1f} | "
+                f"{_x(r.get('lockstep_speedup'))} |")
+  return "\n".join(rows) + "\n\nSource: `experiments/results/bench_planner_fbw.json`."
+
+
+def bench_planner() -> str:
+  """DLPlacer's asynchronous objective on the paper-size problems."""
+  rows = ["| model | M | k | predicted speedup | gap | solve (s) | found by |",
+          "|---|---|---|---|---|---|---|"]
+  for r in _load("bench_planner.json"):
+    rows.append(f"| {r['model']} | {r['devices']} | {r['microbatches']} | "
+                f"{_x(r['predicted_speedup'])} | {_pct(r['gap'])} | {r['solve_time_s']:.1f} | "
+                f"{r.get('found_by', '')} |")
+  return "\n".join(rows) + "\n\nSource: `experiments/results/bench_planner.json`."
+
+
+def headline() -> str:
+  """The README's table: one figure per benchmark."""
+  mp = {r["model"]: r for r in _load("bench_mp.json")}
+  mem = _load("bench_memory.json")["summary"]
+  fbw = _load("bench_planner_fbw.json")
+  rows = ["| what | figure | file |", "|---|---|---|"]
+  for m in ("inception_v3", "gnmt", "biglstm"):
+    if m in mp:
+      rows.append(f"| 2-way MP speedup over one device, {m} small (2 pinned CPU cores) | "
+                  f"{_x(mp[m]['measured_speedup'])} | `bench_mp.json` |")
+  for key, what in (("chain_1x8_over_1x1", "uniform chain, memory per device 1x8 over 1x1"),
+                    ("biglstm:paper_1x8_over_fsdp", "paper BigLSTM 1x8, memory over FSDP's"),
+                    ("chain_1x4_1f1b_temp_k16_over_k4_fixed_microbatch",
+                     "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)")):
+    if key in mem:
+      rows.append(f"| {what} | {mem[key]:.2f} | `bench_memory.json` |")
+  if "prediction_error_max" in mem:
+    rows.append(f"| memory predicted vs compiled, worst row | {_pct(mem['prediction_error_max'])} "
+                "| `bench_memory.json` |")
+  gaps = sorted(r["gap"] for r in fbw)
+  rows.append(f"| planner gap to its bound, paper sizes, median of {len(gaps)} cases | "
+              f"{_pct(gaps[len(gaps) // 2])} | `bench_planner_fbw.json` |")
+  return "\n".join(rows)
+
+
+def paper() -> str:
+  """Our projection (S_MP from our own plans) beside the paper's end-to-end gains."""
+  d = _load(os.path.join("projection_ours", "projection.json"))
+  rows = ["| model | our S_MP(2) (lock-step price of our plan) | our crossover N* | our gain at scale "
+          "| paper's gain (from the paper) |", "|---|---|---|---|---|"]
+  for m, v in d["models"].items():
+    rows.append(f"| {m} | {v['s_mp']:.3f} | {v['crossover_devices']} | {_pct(v['gain_at_scale'])} | "
+                f"{_pct(d['paper_gains'][m])} |")
+  return "\n".join(rows) + "\n\nSource: `experiments/results/projection_ours/projection.json`."
+
+
+TABLES = {"paper": paper, "headline": headline, "bench_mp": bench_mp,
+          "bench_mp_auto": lambda: bench_mp("bench_mp_auto_schedule.json"),
+          "bench_memory": bench_memory, "bench_planner": bench_planner,
+          "bench_planner_fbw": bench_planner_fbw}
+
+
+def render(text: str) -> str:
+  """`text` with every marked table regenerated."""
+  def fill(m: re.Match) -> str:
+    return f"<!-- figures:{m.group(1)} -->\n{TABLES[m.group(1)]()}\n<!-- /figures:{m.group(1)} -->"
+
+  return re.sub(r"<!-- figures:(\w+) -->.*?<!-- /figures:\1 -->", fill, text, flags=re.S)
+
+
+def main(argv: list[str]) -> int:
+  stale = []
+  for rel in DOCS:
+    path = os.path.join(ROOT, rel)
+    with open(path) as f:
+      text = f.read()
+    new = render(text)
+    if new != text:
+      stale.append(rel)
+      if "--check" not in argv:
+        with open(path, "w") as f:
+          f.write(new)
+  if stale and "--check" in argv:
+    print(f"figures differ from experiments/results in: {', '.join(stale)}; run "
+          "python experiments/docs_figures.py", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

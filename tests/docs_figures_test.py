@@ -1,0 +1,30 @@
+"""The figure tables of README.md and docs/ equal what experiments/docs_figures.py renders from
+the results files, so a figure cannot drift from the file it names."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import experiment_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_figure_table_matches_its_results_file():
+  figures = experiment_module("docs_figures")
+  for rel in figures.DOCS:
+    with open(os.path.join(ROOT, rel)) as f:
+      text = f.read()
+    assert "<!-- figures:" in text, f"{rel} has no generated table"
+    assert figures.render(text) == text, (
+      f"{rel}: a table differs from experiments/results; run python experiments/docs_figures.py")
+
+
+def test_a_changed_figure_is_caught():
+  figures = experiment_module("docs_figures")
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  rendered = figures.render(text)
+  start = rendered.index("<!-- figures:headline -->")
+  tampered = rendered[:start] + rendered[start:].replace("x |", "1x |", 1)
+  assert tampered != rendered and figures.render(tampered) == rendered
