@@ -81,7 +81,7 @@ def simulate_cpu_devices(n: int) -> None:
   """Arranges `n` simulated CPU devices; must run before JAX starts its backend.
 
   For correctness only: simulated devices share the process's cores, so they say nothing about
-  model-parallel speed (see experiments/bench_mp.py for one-core-per-device timing).
+  model-parallel speed (see experiments/bench/bench_mp.py for one-core-per-device timing).
 
   Raises:
     RuntimeError: if the backend has started with fewer devices.

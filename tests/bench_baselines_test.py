@@ -1,4 +1,4 @@
-"""experiments/bench_baselines.py: the load process's handshake with bench_mp's profiling process."""
+"""experiments/bench/bench_baselines.py: the load process's handshake with bench_mp's profiling process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""experiments/bench_mp_errors.py: bench_mp's speedups and prediction errors from its jobs' JSON."""
+"""experiments/bench/bench_mp_errors.py: bench_mp's speedups and prediction errors from its jobs' JSON."""
 
 from __future__ import annotations
 

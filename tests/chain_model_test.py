@@ -1,4 +1,4 @@
-"""experiments/chain_model.py: the benchmarks' uniform chain and its overrides."""
+"""experiments/bench/chain_model.py: the benchmarks' uniform chain and its overrides."""
 
 from __future__ import annotations
 

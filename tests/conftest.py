@@ -84,10 +84,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def experiment_module(name: str):
-  """Loads experiments/<name>.py as a fresh module (experiments/ is not a package)."""
+  """Loads experiments/<name>.py or experiments/bench/<name>.py as a fresh module (neither folder
+  is a package); the benchmark's folder is on sys.path, as when it runs as a script."""
   import importlib.util
+  import sys
 
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", f"{name}.py")
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+  path = os.path.join(root, f"{name}.py")
+  if not os.path.exists(path):
+    path = os.path.join(root, "bench", f"{name}.py")
+    if os.path.dirname(path) not in sys.path:
+      sys.path.append(os.path.dirname(path))
   spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)

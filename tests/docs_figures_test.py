@@ -1,4 +1,4 @@
-"""The figure tables of README.md and docs/ equal what experiments/docs_figures.py renders from
+"""The figure tables of README.md and docs/ equal what experiments/bench/docs_figures.py renders from
 the results files, so a figure cannot drift from the file it names."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_every_figure_table_matches_its_results_file():
       text = f.read()
     assert "<!-- figures:" in text, f"{rel} has no generated table"
     assert figures.render(text) == text, (
-      f"{rel}: a table differs from experiments/results; run python experiments/docs_figures.py")
+      f"{rel}: a table differs from experiments/results; run python experiments/bench/docs_figures.py")
 
 
 def test_a_changed_figure_is_caught():

@@ -1,4 +1,4 @@
-"""experiments/gpu_profile.py, the prepared device script, run as a user runs it (on the CPU here:
+"""experiments/bench/gpu_profile.py, the prepared device script, run as a user runs it (on the CPU here:
 tiny BigLSTM, a few steps)."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 from conftest import subprocess_env
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "gpu_profile.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "bench", "gpu_profile.py")
 
 
 def _run(tmp_path, *args):

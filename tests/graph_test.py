@@ -419,7 +419,7 @@ def test_graph_summary_command_runs():
   import subprocess
   import sys
 
-  script = pathlib.Path(__file__).parents[1] / "experiments" / "graph_summary.py"
+  script = pathlib.Path(__file__).parents[1] / "experiments" / "bench" / "graph_summary.py"
   out = subprocess.run(
     [sys.executable, str(script), "--model=biglstm", "--size=tiny", "--batch=4",
      "--hardware=dgx1-v100"],

@@ -1,4 +1,4 @@
-"""experiments/trace_groups.py: cutting a traced timeline into lock-step groups (no JAX run)."""
+"""experiments/bench/trace_groups.py: cutting a traced timeline into lock-step groups (no JAX run)."""
 
 from __future__ import annotations
 

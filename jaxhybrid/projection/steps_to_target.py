@@ -3,7 +3,7 @@
 The DP global-batch run in exact arithmetic: each global batch is trained (for each learning rate)
 until the eval loss reaches a target, and the gradient noise scale is measured on the way
 (`jaxhybrid.noise_scale`). The (batch, steps) points feed `stat_eff.fit_s_min` and
-`stat_eff.MeasuredSE`; experiments/stat_eff.py is the entry point.
+`stat_eff.MeasuredSE`; experiments/bench/stat_eff.py is the entry point.
 """
 
 from __future__ import annotations

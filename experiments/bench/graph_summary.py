@@ -2,10 +2,10 @@ r"""Prints the op graph of a model's training loss and its analytic per-node tim
 
 Traces abstractly (no parameter is allocated), so paper sizes work on a laptop:
 
-  python experiments/graph_summary.py --model=biglstm --size=paper
-  python experiments/graph_summary.py --model=inception_v3 --size=paper --depth=2 --max_nodes=40 \
+  python experiments/bench/graph_summary.py --model=biglstm --size=paper
+  python experiments/bench/graph_summary.py --model=inception_v3 --size=paper --depth=2 --max_nodes=40 \
       --hardware=dgx1-v100
-  python experiments/graph_summary.py --model=gnmt --size=small --hardware=cpu
+  python experiments/bench/graph_summary.py --model=gnmt --size=small --hardware=cpu
 
 Expect two tables: the graph (module path, forward GFLOP, MB read/written, parameter MB, output
 activation MB per node) and the analytic forward + backward time per node on `--hardware`, with

@@ -1,7 +1,7 @@
 """Per-device memory of the hybrid program vs what a user would run instead, compiled, no allocation.
 
-  python experiments/bench_memory.py --out=experiments/results/bench_memory.json   # ~10-20 min
-  python experiments/bench_memory.py --models=chain --out=/tmp/m.json              # ~2 min
+  python experiments/bench/bench_memory.py --out=experiments/results/bench_memory.json   # ~10-20 min
+  python experiments/bench/bench_memory.py --models=chain --out=/tmp/m.json              # ~2 min
 
 For each model, mesh 1xM and task schedule: XLA's compile-time memory analysis of the jitted
 step lowered from abstract inputs (arguments + temporaries per device), our predicted bytes
@@ -51,7 +51,7 @@ def _chain_setup(width: int, layers: int, batch: int):
   import optax
   from flax import nnx
 
-  import chain_model  # experiments/ (the script's folder)
+  import chain_model  # experiments/bench/ (the script's folder)
 
   loss = chain_model.loss_fn
   model = nnx.eval_shape(lambda: chain_model.make(width, layers, 16, nnx.Rngs(0)))

@@ -1,7 +1,7 @@
 """The one short prepared script for a lent accelerator: each model's one-device step, measured.
 
-  python experiments/gpu_profile.py                                   # GPU: paper sizes, ~9 min
-  python experiments/gpu_profile.py --size=tiny --steps=3 --out=/tmp/g.json   # any host
+  python experiments/bench/gpu_profile.py                                   # GPU: paper sizes, ~9 min
+  python experiments/bench/gpu_profile.py --size=tiny --steps=3 --out=/tmp/g.json   # any host
 
 Per model, each part in a fresh child process (so a device's peak memory is that part's own, and
 running out of memory ends that part only):
@@ -72,7 +72,7 @@ def _device_memory() -> dict:
 
 
 def _median_step_s(fn, carry, batch) -> tuple[float, list[float], object]:
-  import bench_baselines  # experiments/ (the script's folder)
+  import bench_baselines  # experiments/bench/ (the script's folder)
   import numpy as np
 
   times, _, out = bench_baselines.step_times(fn, carry, batch, _STEPS.value, _WARMUP.value)
@@ -112,7 +112,7 @@ def part_hybrid(name: str) -> dict:
 
 
 def part_plain(name: str, deadline: float, profile_dir: pathlib.Path) -> dict:
-  import bench_baselines  # experiments/ (the script's folder)
+  import bench_baselines  # experiments/bench/ (the script's folder)
   import jax
   import numpy as np
   import optax

@@ -1,7 +1,7 @@
 """Renders the figure tables of README.md and docs/benchmarks.md from experiments/results/*.json.
 
-  python experiments/docs_figures.py           # rewrite the tables in place
-  python experiments/docs_figures.py --check   # exit 1 if a table differs from its results file
+  python experiments/bench/docs_figures.py           # rewrite the tables in place
+  python experiments/bench/docs_figures.py --check   # exit 1 if a table differs from its results file
 
 Each table sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` and is generated
 here, so that a figure in the docs cannot drift from the file it names (tests/docs_figures_test.py
@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 DOCS = ("README.md", os.path.join("docs", "benchmarks.md"), os.path.join("docs", "paper.md"))
 
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
           f.write(new)
   if stale and "--check" in argv:
     print(f"figures differ from experiments/results in: {', '.join(stale)}; run "
-          "python experiments/docs_figures.py", file=sys.stderr)
+          "python experiments/bench/docs_figures.py", file=sys.stderr)
     return 1
   return 0
 

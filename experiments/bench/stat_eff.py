@@ -7,8 +7,8 @@ Adam learning rates per batch, and measures the gradient noise scale B_simple in
 steps(B) = S_min (1 + B_noise / B) with S_min fitted to the points, a CSV that
 experiments/project.py accepts as `--se_csv`, and a PNG.
 
-  python experiments/stat_eff.py                       # biglstm tiny, B = 8, 32, 128 (~1-2 min)
-  python experiments/stat_eff.py --model=gnmt --batches=8,16,32,64,128,256 --max_steps=1000
+  python experiments/bench/stat_eff.py                       # biglstm tiny, B = 8, 32, 128 (~1-2 min)
+  python experiments/bench/stat_eff.py --model=gnmt --batches=8,16,32,64,128,256 --max_steps=1000
 
 Expect steps to fall with B, close to 1/B below the noise scale and flattening above it.
 """

@@ -1,6 +1,6 @@
 r"""Benchmarks the DLPlacer MILP against the heuristics on the paper-size models.
 
-  python experiments/bench_planner.py --out=/tmp/bench_planner.json
+  python experiments/bench/bench_planner.py --out=/tmp/bench_planner.json
 
 For each model (abstract trace, analytic costs on --hardware) and each M in --devices, k in
 --microbatches: nodes, edges, solve time, status, gap, MILP makespan, lower bound, each
@@ -15,7 +15,7 @@ planner/place.py describes; with k > 1 the cases run until the gap tolerance or 
 so their times depend on the load of the machine. These cases plan the fused forward+backward
 tasks (objective='makespan', no memory cap), as DLPlacer does.
 
-  python experiments/bench_planner.py --fbw --out=experiments/results/bench_planner_fbw.json
+  python experiments/bench/bench_planner.py --fbw --out=experiments/results/bench_planner_fbw.json
 
 F/B/W cases (--fbw): the default objective, the lock-step price of the F/B/W task schedule the
 program runs, within memory caps over time from the hardware's device memory (the V100's 16 GiB on

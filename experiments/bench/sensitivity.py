@@ -1,7 +1,7 @@
 r"""How much each assumption moves the paper scenario's hybrid gain: B_noise, overlap and S_MP.
 
   python experiments/project.py --scenario=paper --out_dir=results/projection_ours   # first
-  python experiments/sensitivity.py --from_projection=results/projection_ours/projection.json
+  python experiments/bench/sensitivity.py --from_projection=results/projection_ours/projection.json
 
 Per paper model (DGX-1 V100, M=2, N = 2 ... 1024), the gain at scale (best hybrid / best DP - 1)
 and the crossover with our planner's S_MP (read from the projection.json that project.py saved,

@@ -1,4 +1,4 @@
-"""bench_mp's settings: its absl flags and per-model defaults (experiments/bench_mp.py says what
+"""bench_mp's settings: its absl flags and per-model defaults (experiments/bench/bench_mp.py says what
 the benchmark measures). Imported by bench_mp, whose worker roles get these flags on their
 command lines."""
 

@@ -1,6 +1,6 @@
 r"""Model-parallel speed on one-core CPU devices: measured vs predicted, and against plain JAX.
 
-    python experiments/bench_mp.py --out=bench_mp.json   # chain, gnmt, biglstm, inception_v3
+    python experiments/bench/bench_mp.py --out=bench_mp.json   # chain, gnmt, biglstm, inception_v3
 
 Each device is its own process pinned to its own core (jaxhybrid.program.localcluster), joined by
 jax.distributed with gloo collectives; the 1-device baseline is one such process. Per model:
@@ -69,12 +69,12 @@ import time
 
 # Worker processes pin their core before JAX starts.
 if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver" not in sys.argv:
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
   from jaxhybrid.program import localcluster
 
   localcluster.worker_setup()
 
-import bench_baselines  # experiments/ (the script's folder)
+import bench_baselines  # experiments/bench/ (the script's folder)
 import bench_mp_errors
 import bench_mp_flags  # noqa: F401  (defines the flags)
 import chain_model
@@ -376,7 +376,7 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
 
 
 def driver() -> list[dict]:
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
   from jaxhybrid.program import localcluster
 
   (work := pathlib.Path(FLAGS.workdir)).mkdir(parents=True, exist_ok=True)

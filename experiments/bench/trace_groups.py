@@ -1,7 +1,7 @@
 r"""Where a 2-way plan's step goes: each lock-step group, measured on one-core devices vs priced.
 
-    python experiments/bench_mp.py --models=gnmt --workdir=/tmp/bmp        # plans, profiles, link
-    python experiments/trace_groups.py --workdir=/tmp/bmp --model=gnmt --plan=plan_gnmt_0.json \
+    python experiments/bench/bench_mp.py --models=gnmt --workdir=/tmp/bmp        # plans, profiles, link
+    python experiments/bench/trace_groups.py --workdir=/tmp/bmp --model=gnmt --plan=plan_gnmt_0.json \
         --out=trace_gnmt.json
 
 Runs the plan as bench_mp's multi role does (mesh 1x2, two processes pinned to one core each,
@@ -60,7 +60,7 @@ def _settings(work: pathlib.Path) -> dict:
 def _spec(cfg: dict):
   """The model as bench_mp ran it: a registry model, or bench_mp's uniform chain."""
   if FLAGS.model == "chain":
-    import chain_model  # experiments/ (the script's folder)
+    import chain_model  # experiments/bench/ (the script's folder)
 
     return chain_model.spec(**cfg["overrides"])
   from jaxhybrid import models
@@ -250,7 +250,7 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
 
 
 def driver() -> dict:
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
   from jaxhybrid.program import localcluster
 
   work = pathlib.Path(FLAGS.workdir)
