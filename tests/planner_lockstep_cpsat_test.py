@@ -206,7 +206,15 @@ def test_the_program_runs_explicit_groups_and_matches_the_reference(split):
             > price.lockstep_price(prob, assign, order).groups)
     return sch
 
-  run_v_lstm(explicit)
+  prog = run_v_lstm(explicit)
+  # The groups the program ran are the schedule's, task for task (not the ones the rule derives).
+  sch = prog.schedule
+  given: dict[int, set] = {}
+  for d, (ops, gs) in enumerate(zip(sch.devices, sch.groups)):
+    for op, g in zip(ops, gs):
+      given.setdefault(g, set()).add((d, op))
+  ran = [set(lay.tasks) for lay in prog.structure.groups]
+  assert ran == [given[g] for g in sorted(given)], (len(ran), len(given))
 
 
 def test_the_brute_force_of_a_two_node_chain_is_its_serial_time():

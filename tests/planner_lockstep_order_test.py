@@ -75,10 +75,11 @@ def test_the_search_polishes_its_placements_only_when_custom_orders_may_run():
   assert got.step_s < best_stage and got.found_by.startswith("polish/lockstep/")
 
 
-def run_v_lstm(make_schedule) -> None:
+def run_v_lstm(make_schedule):
   """Runs an LSTM stack in a V (the embedding and the output layer on device 0, the two LSTM
   layers on device 1), 2 micro-batches, with the schedule `make_schedule(problem, assignment)`
-  returns (priced on made-up node times), and checks it against the single-device reference."""
+  returns (priced on made-up node times), checks it against the single-device reference and
+  returns the program."""
   import optax
   import toy
   from flax import nnx
@@ -100,6 +101,7 @@ def run_v_lstm(make_schedule) -> None:
   prog, p, s, pure = build(model, toy.lstm_loss, batch, "1x2", v, 2, opt, schedule=schedule)
   assert prog.schedule == schedule
   assert_matches_reference(prog, p, s, pure, batch, opt)
+  return prog
 
 
 @pytest.mark.parametrize("split", [False, True])
