@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 # Measured costs (profiled node times, the measured CPU spec) are cached here, per backend and
 # device kind, and reused across processes so plans are reproducible.
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/jaxhybrid/profiles")
@@ -334,7 +336,7 @@ def _measure_cpu_figures(*, matmul_size: int, copy_bytes: int, reps: int) -> dic
     "link_bw": src.nbytes / t_copy,
     "t_op": t_op, "t_mm": t_mm, "t_copy": t_copy, "n": n, "copy_bytes": copy_bytes, "reps": reps,
   }
-  logging.info(
+  log.info(
     "measured cpu: %.1f GFLOP/s, %.1f GB/s memory, %.1f us/op", flops / 1e9, mem_bw / 1e9,
     t_op * 1e6,
   )
@@ -406,7 +408,7 @@ def measured_cpu_cached(path: pathlib.Path | None = None) -> Hardware:
       json.dump({"schema": 1, **figures}, fh, indent=1, sort_keys=True)
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
   except OSError as e:
-    logging.warning("could not cache the measured cpu spec in %s: %s", path, e)
+    log.warning("could not cache the measured cpu spec in %s: %s", path, e)
   return hw
 
 

@@ -158,7 +158,7 @@ def steps_to_target(
     for lr in config.learning_rates:
       steps, noise, final = trainer.run(batch_size, lr, eval_batch)
       line = f"B={batch_size} lr={lr:g}: steps={steps} B_simple={noise:.1f} loss={final:.4f}"
-      logging.info(line)
+      log.info(line)
       if progress:
         progress(line)
       better = best is None or (steps is not None and (best[0] is None or steps < best[0]))

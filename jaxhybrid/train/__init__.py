@@ -1,7 +1,8 @@
 """Step 5 of the flow: training with a compiled program, and the main job behind run.py.
 
 Owns the loop (`loop`: steps, metrics JSONL, noise scale, checkpoints, one-line errors), the run
-of `experiments/run.py` (`runner`: config, build, predict, train, report), the run's data
+of `experiments/run.py` (`runner`: config, build, predict, train, report; `validation`: its
+input checks before anything is traced), the run's data
 (`run_data`), its report and loss plot (`run_report`), orbax checkpoints (`checkpoint`) and
 optimizer helpers that see the model axis (`optim`).
 
