@@ -11,8 +11,6 @@ import types
 import typing
 from typing import Any
 
-import numpy as np
-
 # Numeric dtypes a model may compute in or store parameters as.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 

@@ -73,6 +73,13 @@ def test_validate_checks_the_model_config_before_the_size_is_resolved():
     runner.validate(config)
 
 
+def test_an_unresolved_size_refuses_a_value_only_if_no_preset_takes_it():
+  # 1000 samples exceed the tiny vocabulary but not the paper one (a GPU resolves to paper).
+  runner.validate(runner.RunConfig(model="biglstm", overrides=(("num_sampled", 1000),)))
+  with pytest.raises(errors.UsageError, match=r"^--set num_sampled=1000000000 must be in \[0, vocab_size=793471\)"):
+    runner.validate(runner.RunConfig(model="biglstm", overrides=(("num_sampled", 10**9),)))
+
+
 def test_dry_run_of_a_model_that_does_not_fit_prints_the_table(tmp_path):
   proc = run_py("--model=biglstm", "--size=paper", "--mesh=1x1", "--dry_run",
                 f"--workdir={tmp_path}", timeout=600)

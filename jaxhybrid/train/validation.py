@@ -57,9 +57,17 @@ def validate(config: Any) -> None:
   lr = config.learning_rate
   if lr is not None and not (math.isfinite(lr) and lr > 0):
     raise errors.UsageError(f"--learning_rate={config.learning_rate}: use a positive number")
-  # The model config's own checks (models/config_checks.py), before tracing; before the size is
-  # resolved, against the tiny preset (run() validates again once it is).
-  model_spec(config if config.size else dataclasses.replace(config, size="tiny"))
+  # The model config's own checks (models/config_checks.py), before tracing. Before the size is
+  # resolved (tiny on a CPU, paper on a GPU) a --set value is refused only if neither preset
+  # takes it (num_sampled=1000 is too many for the tiny vocabulary, fine at paper size);
+  # run() validates again once the size is known.
+  if config.size:
+    model_spec(config)
+    return
+  try:
+    model_spec(dataclasses.replace(config, size="tiny"))
+  except errors.UsageError:
+    model_spec(dataclasses.replace(config, size="paper"))
 
 
 def model_spec(config: Any):
