@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -33,16 +34,26 @@ def _x(x: float | None) -> str:
   return "n/a" if x is None else f"{x:.2f}x"
 
 
+def _per_row(name: str, columns: list[tuple[str, Any]]) -> str:
+  """A table with one row per entry of results file `name`: (header, entry -> cell) columns."""
+  rows = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+  rows += ["| " + " | ".join(str(cell(r)) for _, cell in columns) + " |" for r in _load(name)]
+  return "\n".join(rows) + f"\n\nSource: `experiments/results/{name}`."
+
+
+_SETUP = [("model", lambda r: r["model"]), ("M", lambda r: r["devices"]),
+          ("k", lambda r: r["microbatches"])]
+
+
 def bench_mp(name: str = "bench_mp.json") -> str:
   """Measured 2-way speedup on two pinned one-core processes, per model."""
-  rows = ["| model | one device (s) | plan speedup | vs DP bucketed | vs GSPMD TP | step error (mean) |",
-          "|---|---|---|---|---|---|"]
-  for r in _load(name):
-    rows.append(
-      f"| {r['model']} | {r['step_s_1dev']:.3f} | {_x(r.get('measured_speedup'))} | "
-      f"{_x(r.get('ratio_vs_dp_bucketed'))} | {_x(r.get('ratio_vs_gspmd_tp'))} | "
-      f"{_pct(r.get('step_prediction_error_mean'))} |")
-  return "\n".join(rows) + f"\n\nSource: `experiments/results/{name}`."
+  return _per_row(name, [
+    ("model", lambda r: r["model"]), ("one device (s)", lambda r: f"{r['step_s_1dev']:.3f}"),
+    ("plan speedup", lambda r: _x(r.get("measured_speedup"))),
+    ("vs DP bucketed", lambda r: _x(r.get("ratio_vs_dp_bucketed"))),
+    ("vs GSPMD TP", lambda r: _x(r.get("ratio_vs_gspmd_tp"))),
+    ("step error (mean)", lambda r: _pct(r.get("step_prediction_error_mean"))),
+  ])
 
 
 def bench_memory() -> str:
@@ -59,24 +70,20 @@ def bench_memory() -> str:
 
 def bench_planner_fbw() -> str:
   """Lock-step price, bound gap and solve time of the planner on the paper-size problems."""
-  rows = ["| model | M | k | lock-step step (ms) | gap | solve (s) | speedup vs one device |",
-          "|---|---|---|---|---|---|---|"]
-  for r in _load("bench_planner_fbw.json"):
-    rows.append(f"| {r['model']} | {r['devices']} | {r['microbatches']} | "
-                f"{1e3 * r['lockstep_step_s']:.0f} | {_pct(r['gap'])} | {r['solve_time_s']:.1f} | "
-                f"{_x(r.get('lockstep_speedup'))} |")
-  return "\n".join(rows) + "\n\nSource: `experiments/results/bench_planner_fbw.json`."
+  return _per_row("bench_planner_fbw.json", _SETUP + [
+    ("lock-step step (ms)", lambda r: f"{1e3 * r['lockstep_step_s']:.0f}"),
+    ("gap", lambda r: _pct(r["gap"])), ("solve (s)", lambda r: f"{r['solve_time_s']:.1f}"),
+    ("speedup vs one device", lambda r: _x(r.get("lockstep_speedup"))),
+  ])
 
 
 def bench_planner() -> str:
   """DLPlacer's asynchronous objective on the paper-size problems."""
-  rows = ["| model | M | k | predicted speedup | gap | solve (s) | found by |",
-          "|---|---|---|---|---|---|---|"]
-  for r in _load("bench_planner.json"):
-    rows.append(f"| {r['model']} | {r['devices']} | {r['microbatches']} | "
-                f"{_x(r['predicted_speedup'])} | {_pct(r['gap'])} | {r['solve_time_s']:.1f} | "
-                f"{r.get('found_by', '')} |")
-  return "\n".join(rows) + "\n\nSource: `experiments/results/bench_planner.json`."
+  return _per_row("bench_planner.json", _SETUP + [
+    ("predicted speedup", lambda r: _x(r["predicted_speedup"])),
+    ("gap", lambda r: _pct(r["gap"])), ("solve (s)", lambda r: f"{r['solve_time_s']:.1f}"),
+    ("found by", lambda r: r.get("found_by", "")),
+  ])
 
 
 def headline() -> str:
