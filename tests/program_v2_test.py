@@ -101,22 +101,26 @@ def test_conditionals_return_the_union_not_the_sum(schedule):
   assert [b for b in cond_output_bytes(prog, p, batch) if b] == [b for b in want if b]
   union_smaller = 0
   for g, lay in enumerate(st.groups):
+    # Properties of any valid union layout, checked on the writes each device's branch returns
+    # (not on how the layout was computed): per device and lane, writes lie inside the lane and
+    # never overlap; every lane is as long as some device's writes reach (no padding beyond the
+    # longest part); the buffer is at least each device's part and at most their sum.
     by_dev = {}
+    reach: dict[str, int] = {}
     for d, writes in lay.writes.items():
-      by_dev[d] = sum(int(np.prod(shape)) * np.dtype(tasks.lane_dtype(dt)).itemsize for _, dt, _, shape in writes)
-    # Regions are padded to the longest device's part: never more than each region's maximum.
-    bound = 0
-    for (_, dt), (_, length) in lay.regions.items():
-      bound += length * np.dtype(tasks.lane_dtype(dt)).itemsize
-    kept = {}
-    for d, writes in lay.writes.items():
-      for key, dt, off, shape in writes:
-        if not any(a <= off < a + n for (_, rdt), (a, n) in lay.regions.items() if rdt == dt):
-          kept[(d, dt)] = kept.get((d, dt), 0) + int(np.prod(shape)) * np.dtype(tasks.lane_dtype(dt)).itemsize
-    for dt in {dt for _, dt in kept}:
-      bound += max(v for (d, kdt), v in kept.items() if kdt == dt)
-    assert per_group[g] == bound
-    assert per_group[g] <= sum(by_dev.values())
+      by_dev[d] = 0
+      spans: dict[str, list[tuple[int, int]]] = {}
+      for _, lane, off, shape in writes:
+        n = int(np.prod(shape))
+        by_dev[d] += n * np.dtype(tasks.lane_dtype(lane)).itemsize
+        spans.setdefault(lane, []).append((off, off + n))
+      for lane, ss in spans.items():
+        ss.sort()
+        assert all(e <= s2 for (_, e), (s2, _) in zip(ss, ss[1:])), (g, d, lane, ss)
+        assert ss[-1][1] <= lay.sizes[lane], (g, d, lane)
+        reach[lane] = max(reach.get(lane, 0), ss[-1][1])
+    assert reach == lay.sizes, f"group {g}: lanes longer than any device's writes"
+    assert max(by_dev.values(), default=0) <= per_group[g] <= sum(by_dev.values())
     union_smaller += per_group[g] < sum(by_dev.values())
   assert union_smaller, "with 4 busy devices some group's union must be smaller than the sum"
 
