@@ -36,13 +36,13 @@ def test_bounds_never_exceed_the_brute_force_optimum(seed, n, k, devices):
 
 
 def test_precedence_cuts_raise_the_relaxation_to_the_optimum():
-  # Seed 316: four nodes, heavy links. The first/last idle cuts alone prove 8.305; counting the
-  # work a device must do after (i, 0) or before (i, k - 1) proves the brute-force optimum.
+  # Seed 316: four nodes, heavy links. The first/last idle cuts alone prove less than the
+  # brute-force optimum; counting the work a device must do after (i, 0) or before (i, k - 1)
+  # proves the optimum itself.
   prob = _chain_heavy_links(316, 4, 2)
   best = _brute_force(prob, 2)
-  assert relax.solve(prob, 2, ordered=False, **EXACT).bound == pytest.approx(8.305, abs=1e-3)
+  assert relax.solve(prob, 2, ordered=False, **EXACT).bound < best - 1e-3
   assert relax.solve(prob, 2, **EXACT).bound == pytest.approx(best, rel=1e-6)
-  assert best == pytest.approx(8.706, abs=1e-3)
 
 
 def test_earliest_starts_see_links_or_serialisation():
@@ -105,9 +105,8 @@ def test_prefix_bound_proves_the_optimum_where_the_unfixed_bound_does_not():
   prob = _chain_heavy_links(300, 4, 2)
   best = _brute_force(prob, 2)
   lower = bounds.lower_bound(prob, 2)
-  assert lower == pytest.approx(7.356, abs=1e-6)
+  assert lower < best - 1e-3
   assert bounds.prefix_bound(prob, 2, lower, max_assignments=16) == pytest.approx(best, abs=1e-9)
-  assert best == pytest.approx(8.257, abs=1e-6)
   # Too few assignments to enumerate even one node: the start bound comes back unchanged.
   assert bounds.prefix_length(prob, 1) == 0
   assert bounds.prefix_bound(prob, 2, lower, max_assignments=1) == lower
