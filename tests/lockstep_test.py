@@ -13,7 +13,7 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import program as program_lib
 from jaxhybrid.api import microbatch_spec
-from jaxhybrid.program import executor, lockstep, structure
+from jaxhybrid.program import executor, lockstep, structure, tasks
 
 
 class FixedCosts(costs_lib.CostModel):
@@ -89,8 +89,24 @@ def test_plan_step_prices_the_program_the_plan_builds():
     order=structure.plan_order(plan.schedule), forward_s=fwd,
     schedule=plan.task_schedule or "1f1b",  # the schedule the plan was priced with
   )
-  want = lockstep.program_step_s(g, prog.structure, plan.assignment, cm)
-  assert lockstep.plan_step_s(g, plan, cm) == want
+  # By hand, on the groups the built program runs: every node costs 0.01 s, F a third of it
+  # and B the rest (split: B and W a third each); each group pays its busiest device and each
+  # message 1e-4 s + bytes / 1e9.
+  st = prog.structure
+  third = 0.01 / 3
+  dur = {"F": third, "B": third if st.schedule.split else 2 * third, "W": third}
+  want_compute = sum(
+    max(sum(dur[op.kind] for d2, op in lay.tasks if d2 == d) for d in {d for d, _ in lay.tasks})
+    for lay in st.groups
+  )
+  msgs = [m for gi in range(len(st.groups)) for m in st.message_plan(gi)]
+  want_transfer = sum(
+    1e-4 + n * np.dtype(tasks.lane_dtype(dt)).itemsize / 1e9 for _, dt, _, n in msgs
+  )
+  t = lockstep.plan_step_s(g, plan, cm)
+  assert t.groups == len(st.groups) and t.transfers == len(msgs) > 0
+  assert math.isclose(t.compute_s, want_compute)
+  assert math.isclose(t.transfer_s, want_transfer)
 
 
 def test_choose_prefers_fewer_transfers_when_the_link_is_slow():
