@@ -65,10 +65,10 @@ def test_no_default_projection_reads_a_paper_result(name):
     dataclasses.replace(w, s_mp_source=())
 
 
-def test_the_main_job_projects_with_a_planner_s_mp():
+def test_the_main_job_projects_with_a_planner_s_mp(deterministic_place):
   from jaxhybrid.train import predict, runner
 
-  config = runner.RunConfig(model="biglstm", mesh="2x2", time_limit_s=1.0)
+  config = runner.RunConfig(model="biglstm", mesh="2x2")
   p, est = predict.project(config, None, 2)
   assert est.source.startswith("planner: ") and p.s_mp_source == est.source
   assert p.s_mp == est.s_mp and est.microbatches in (1, 2, 4, 8) and est.m == 2

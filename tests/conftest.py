@@ -73,6 +73,29 @@ DETERMINISTIC_PLANNER = dict(
 )
 
 
+# The same, with less work: for tests that only run what the plan gives (no claim on its price).
+LIGHT_DETERMINISTIC_PLANNER = dict(
+  DETERMINISTIC_PLANNER, milp_max_nodes=50, cpsat_deterministic_time=0.05, search_evaluations=4,
+  lockstep_evaluations=4, lockstep_groups_max_s=0.0,
+)
+
+
+@pytest.fixture
+def deterministic_place(monkeypatch):
+  """Makes every `jaxhybrid.planner.place` call of the test stop by work done
+  (LIGHT_DETERMINISTIC_PLANNER), for entry points whose own options carry only a wall-clock limit (the
+  runner's `time_limit_s`, the advisor's SearchConfig): their plans then do not depend on how busy
+  the machine is."""
+  from jaxhybrid import planner
+
+  place = planner.place
+
+  def by_work(*args, **kwargs):
+    return place(*args, **{**kwargs, **LIGHT_DETERMINISTIC_PLANNER})
+
+  monkeypatch.setattr(planner, "place", by_work)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
   """The environment for a command a test starts: this one's, on the CPU, with the test compile
   flags but no device count (the command simulates the devices it needs), plus `extra`."""

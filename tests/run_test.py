@@ -61,10 +61,10 @@ def test_data_is_a_function_of_seed_and_step():
 
 # Inception-V3 tiny takes ~2-3 minutes here (tracing ~60 s, compiling ~50 s): marked slow.
 @pytest.mark.parametrize("model", ["gnmt", pytest.param("inception_v3", marks=pytest.mark.slow)])
-def test_other_models_run_end_to_end(model, tmp_path):
+def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   overrides = (("image_size", 75),) if model == "inception_v3" else ()
   cfg = dataclasses.replace(TINY, model=model, mesh="1x2", batch=2, steps=2, planner="milp",
-                            time_limit_s=5, workdir=str(tmp_path / "w"), overrides=overrides)
+                            workdir=str(tmp_path / "w"), overrides=overrides)
   res = runner.run(cfg)
   for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection"):
     assert res[key] is not None, key
@@ -88,9 +88,9 @@ BAD_CONFIGS = [
 ]
 
 
-def test_auto_schedule_runs_the_plans_own_task_schedule(tmp_path):
-  cfg = dataclasses.replace(TINY, mesh="1x2", batch=2, steps=1, planner="milp", time_limit_s=5,
-                            schedule="auto", workdir=str(tmp_path / "w"))
+def test_auto_schedule_runs_the_plans_own_task_schedule(tmp_path, deterministic_place):
+  cfg = dataclasses.replace(TINY, mesh="1x2", batch=2, steps=1, planner="milp", schedule="auto",
+                            workdir=str(tmp_path / "w"))
   spec, hybrid, _ = runner.build(runner._resolve(cfg), abstract=True)
   assert hybrid.plan.task_schedule is not None
   assert hybrid.program.schedule == hybrid.plan.task_schedule
