@@ -140,8 +140,8 @@ def _coerce(field: str, current: Any, value: Any) -> Any:
       return None if value.lower() == "none" else float(value)
   except ValueError:
     raise ValueError(
-      f"Override {field}={value!r} does not parse as {type(current).__name__}; give a "
-      f"{type(current).__name__} value."
+      f"{field}={value!r}: does not parse as {type(current).__name__}; give a value of type "
+      f"{type(current).__name__}"
     ) from None
   return value
 
@@ -170,9 +170,10 @@ def get(name: str, size: str = "tiny", **overrides: Any) -> ModelSpec:
   fields = {f.name for f in dataclasses.fields(cfg)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
+    key = unknown[0]
     raise ValueError(
-      f"Unknown {config_cls.__name__} field(s) {unknown}; valid fields: "
-      f"{', '.join(sorted(fields))}."
+      f"{key}={overrides[key]!r}: {config_cls.__name__} has no field {key!r}; valid fields: "
+      f"{', '.join(sorted(fields))}"
     )
   if overrides:
     cfg = dataclasses.replace(
