@@ -60,10 +60,15 @@ def main(argv):
   absl_logging.get_absl_handler().python_handler.stream = sys.stdout
   # Quiet by default: the progress bar and the final report (plan and results); the planner's
   # and the advisor's INFO lines (bounds, warm starts, every priced plan) with --verbosity=1.
+  # JAX's backend probing ('Unable to initialize backend tpu') counts as such a detail.
   detail = logging.INFO if FLAGS.verbosity >= 1 else logging.WARNING
-  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
-  logging.getLogger("jaxhybrid").setLevel(detail)
-  logging.getLogger("mip").setLevel(detail)
+  for name in ("jaxhybrid", "mip", "jax"):
+    logging.getLogger(name).setLevel(detail)
+  # Warnings only, at any verbosity: orbax's per-save chatter (through absl), and the DEBUG lines
+  # --verbosity=1 lets through from the root logger (matplotlib's font search alone is ~2,300
+  # lines per run, asyncio's selector one per checkpoint thread).
+  for name in ("absl", "matplotlib", "PIL", "asyncio"):
+    logging.getLogger(name).setLevel(logging.WARNING)
   try:
     config = runner.RunConfig(
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,

@@ -93,13 +93,27 @@ def test_dry_run_of_a_model_that_does_not_fit_prints_the_table(tmp_path):
   assert (tmp_path / "results.json").exists()
 
 
-def test_main_job_is_quiet_at_the_default_verbosity(tmp_path):
+def _log_lines(text: str) -> list[str]:
+  """absl-formatted log lines ('I1204 04:50:25.27 123 file.py:12] ...', any level)."""
+  return [ln for ln in text.splitlines() if ln[:1] in "DIWEF" and ln[1:5].isdigit()]
+
+
+@pytest.mark.parametrize("verbosity", [0, 1])
+def test_planner_details_show_only_with_verbosity(verbosity, tmp_path):
   proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2",
-                "--planner=etf", "--progress=false", f"--workdir={tmp_path}", timeout=300)
+                "--progress=false", f"--verbosity={verbosity}", f"--workdir={tmp_path}",
+                timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  log_lines = [ln for ln in proc.stdout.splitlines() if ln[:1] in "IW" and ln[1:5].isdigit()]
-  assert not log_lines, log_lines[:5]
-  assert "Plan:" in proc.stdout and "loss" in proc.stdout
+  assert "Plan:" in proc.stdout and "loss" in proc.stdout and "step time:" in proc.stdout
+  logs = _log_lines(proc.stdout + proc.stderr)
+  if verbosity == 0:
+    # The plan and result summaries, nothing else: no planner detail, no JAX backend probing.
+    assert not logs, logs[:5]
+  else:
+    # The planner's details (warm start against the bound, each priced plan) are there, and
+    # third-party DEBUG chatter (matplotlib's font search) is not.
+    assert any("place.py" in ln and "bound" in ln for ln in logs), logs[:20]
+    assert not [ln for ln in logs if "findfont" in ln or "selector" in ln], logs[:5]
 
 
 def test_the_guides_names_resolve_after_import_jaxhybrid():
