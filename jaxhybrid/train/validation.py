@@ -41,7 +41,8 @@ def validate(config: Any) -> None:
   if config.clip_norm < 0:
     raise errors.UsageError(f"--clip_norm={config.clip_norm}: use a positive norm, or 0 for no clipping")
   if config.microbatches < 1:
-    raise errors.UsageError(f"--microbatches={config.microbatches}: use 1 or more")
+    raise errors.UsageError(
+      f"--microbatches={config.microbatches}: must be positive (micro-batches per worker batch)")
   if config.batch is not None and config.batch < 1:
     raise errors.UsageError(f"--batch={config.batch}: must be positive (examples per worker)")
   if config.batch is not None and config.batch % config.microbatches:
@@ -49,7 +50,7 @@ def validate(config: Any) -> None:
       f"--batch={config.batch} (per worker) is not divisible by --microbatches={config.microbatches}: "
       f"use a multiple of {config.microbatches}, e.g. --batch={config.microbatches * max(1, config.batch // config.microbatches)}")
   if config.steps < 1:
-    raise errors.UsageError(f"--steps={config.steps}: use 1 or more")
+    raise errors.UsageError(f"--steps={config.steps}: must be positive (training steps)")
   if config.checkpoint_every < 0:
     raise errors.UsageError(f"--checkpoint_every={config.checkpoint_every}: use 0 (only at the end) or more")
   if not config.time_limit_s > 0:
