@@ -25,6 +25,9 @@ from jaxhybrid.train import runner
     (["--set", "nonsense=3"], "--set nonsense=3: BigLSTMConfig has no field 'nonsense'"),
     (["--set", "hidden_size=big"], "--set hidden_size='big': does not parse as int"),
     (["--set", "forget_bias=1.5", "--set", "nonsense=3"], "--set nonsense=3"),
+    (["--set", "forget_bias=nan"], "--set forget_bias=nan: must be a finite number"),
+    # Beyond the tiny preset's vocabulary (the size this CPU run resolves to).
+    (["--set", "num_sampled=1000"], "--set num_sampled=1000 must be in [0, vocab_size="),
     (["--batch=-1"], "--batch=-1: must be positive"),
     (["--batch=0"], "--batch=0: must be positive"),
     (["--steps=0"], "--steps=0: must be positive"),
@@ -56,6 +59,7 @@ def test_bad_cli_input_is_one_line_and_exit_2(args, flag, tmp_path):
     (inception_v3.InceptionV3Config, "bn_momentum", 1.5),
     (inception_v3.InceptionV3Config, "bn_epsilon", 0.0),
     (inception_v3.InceptionV3Config, "num_classes", True),
+    (gnmt.GNMTConfig, "init_scale", float("inf")),
   ],
 )
 def test_model_configs_name_the_bad_field(cls, field, value):
