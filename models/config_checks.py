@@ -7,6 +7,7 @@ before anything is traced (the entry points turn the ValueError into one line, e
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -28,8 +29,9 @@ def check_fields(config: Any, *, non_negative: tuple[str, ...] = (),
 
   Every int field must be >= 1 unless named in `non_negative` (then >= 0); fields named in
   `unit_interval` must lie in [0, 1); floats named in `positive` must be > 0; `dtype` and
-  `param_dtype` must name a known dtype; floats must be finite; every value must have its annotated type (an int is
-  accepted where a float is annotated; None only where the annotation allows it).
+  `param_dtype` must name a known dtype; floats must be finite; every value must have its
+  annotated type (an int is accepted where a float is annotated; None only where the annotation
+  allows it).
   """
   hints = typing.get_type_hints(type(config))
   for f in dataclasses.fields(config):
@@ -49,7 +51,7 @@ def check_fields(config: Any, *, non_negative: tuple[str, ...] = (),
         raise ValueError(f"{f.name}={value!r}: must be of type {names}")
     if isinstance(value, bool):
       continue
-    if isinstance(value, float) and not np.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f"{f.name}={value}: must be a finite number")
     if isinstance(value, int) and float not in allowed:
       low = 0 if f.name in non_negative else 1
