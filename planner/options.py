@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 METHODS = ("milp", "etf", "dp", "interleaved", "single", "local")
 OBJECTIVES = ("lockstep", "makespan")
@@ -30,6 +30,11 @@ class PlannerOptions:
 
   # M: number of devices on the model axis of one data-parallel worker.
   devices: int = 2
+  # Called as progress(phase, incumbent_s, bound_s) after each phase of the solve with the best
+  # step time found so far (inf: none yet) and the proven lower bound; None: no reports. A UI
+  # (jaxhybrid.train.solve_progress) draws it; the planner knows nothing of terminals.
+  progress: Callable[[str, float, float], None] | None = dataclasses.field(
+    default=None, compare=False, repr=False)
   # k: micro-batches a worker's batch is split into (GPipe-style pipelining); all micro-batches
   # of a node run on the node's device, one after the other.
   microbatches: int = 1

@@ -165,6 +165,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       None if opts.work_limited else clock.share("prefix", phases),
     )
 
+  report = opts.progress or (lambda phase, incumbent_s, bound_s: None)
+  report("bounds", float("inf"), lower)
   # Heuristics (baselines, warm start, fallback).
   found: dict[str, heur.Candidate] = {}
   for name, fn in (("single", heur.single), ("etf", heur.etf), ("dp", heur.contiguous_dp),
@@ -193,6 +195,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     target = lower * (1 + opts.gap) if opts.method == "milp" else 0.0
     found["local"] = local = _anneal(problem, opts, caps, clock, phases, seeds[:len(found)],
                                      seeds, target)
+    report("search", local.makespan, lower)
     if pipelined and opts.cpsat_share > 0 and local.makespan > target:
       found_cp = cpsat.solve(
         problem, k, warm=local, caps=caps, lower_bound=lower,
@@ -202,6 +205,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       proven["cpsat"] = found_cp.bound
       lower = max(lower, found_cp.bound)
       found["cpsat"] = found_cp.candidate
+      report("cpsat", min(local.makespan, found_cp.candidate.makespan), lower)
   if not found:
     raise InfeasibleError(
       "No heuristic found a placement within the memory caps "
@@ -258,9 +262,11 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
         status = result.status
         if not result.restricted:  # a restricted MILP's bound holds for its orderings only
           proven["milp"] = result.bound
+  report(opts.method, best.makespan, max([lower, *proven.values()]))
   lock = None
   if opts.objective == "lockstep":
     lock = _lockstep(problem, opts, lock_caps, found, best, clock)
+    report("lockstep", lock["choice"].step_s, lock["bound"])
     if lock["choice"].assignment != tuple(best.assignment):
       best = heur.evaluate(problem, lock["choice"].assignment, k)
       found_by = "lockstep"  # the fused schedule of the lock-step search's placement

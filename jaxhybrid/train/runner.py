@@ -17,6 +17,7 @@ predicted and measured step time, projection), gantt.png, loss.png, projection.p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -28,7 +29,7 @@ import numpy as np
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
-from jaxhybrid.train import predict
+from jaxhybrid.train import predict, solve_progress
 from jaxhybrid.train.overrides import parse_overrides  # noqa: F401 - runner.parse_overrides (run.py, advise.py)
 from jaxhybrid.train.run_data import make_batch_fn
 from jaxhybrid.train.run_report import plot_loss
@@ -286,15 +287,20 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
       raise errors.UsageError(f"--plan={plan_path!r} cannot be read ({msg}): pass a plan.json written by run.py or drop --plan to re-plan") from None
   make = lambda: spec.make(nnx.Rngs(config.seed))  # noqa: E731
   model = nnx.eval_shape(make) if abstract else make()
+  # The solve's progress line (elapsed, incumbent, bound, gap) while the planner runs.
+  shown = config.progress and plan is None
+  progress = solve_progress.SolveProgress() if shown else contextlib.nullcontext()
   try:
-    hybrid = api.parallelize(
-      model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
-      microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
-      planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
-                       **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,
-      # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
-      program_options={} if config.schedule == "auto" else {"schedule": config.schedule},
-    )
+    with progress:
+      hybrid = api.parallelize(
+        model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
+        microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
+        planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
+                         **({"progress": progress} if shown else {}),
+                         **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,
+        # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
+        program_options={} if config.schedule == "auto" else {"schedule": config.schedule},
+      )
   except planner_lib.InfeasibleError as e:
     raise errors.DoesNotFitError(f"{e}") from None
   except ValueError as e:
