@@ -266,13 +266,13 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   lock = None
   if opts.objective == "lockstep":
     lock = _lockstep(problem, opts, lock_caps, found, best, clock)
-    report("lockstep", lock["choice"].step_s, lock["bound"])
     if lock["choice"].assignment != tuple(best.assignment):
       best = heur.evaluate(problem, lock["choice"].assignment, k)
       found_by = "lockstep"  # the fused schedule of the lock-step search's placement
   makespan = best.makespan
   bound = audited_bound(proven, makespan)
   gap = (makespan - bound) / makespan if makespan > 0 else 0.0
+  report("done", lock["choice"].step_s if lock else makespan, lock["bound"] if lock else bound)
   # 'optimal' means optimal within the gap tolerance, as solvers report it.
   if status in ("optimal", "feasible"):
     status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"

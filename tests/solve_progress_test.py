@@ -22,7 +22,7 @@ def test_the_planner_reports_each_phase_with_a_bound_below_the_incumbent():
   plan = planner.place_problem(prob, opts)
   phases = [c[0] for c in calls]
   assert phases[0] == "bounds" and math.isinf(calls[0][1])
-  assert "search" in phases and phases[-1] == "milp", phases
+  assert "search" in phases and phases[-2:] == ["milp", "done"], phases
   for phase, incumbent, bound in calls[1:]:
     assert 0 < bound <= incumbent + 1e-9, (phase, incumbent, bound)
   assert calls[-1][1] == plan.predicted_step_s
@@ -36,8 +36,8 @@ def test_lockstep_objective_reports_the_lockstep_step_last():
   fast = {**FAST, "objective": "lockstep", "lockstep_evaluations": 50, "lockstep_patience": 20}
   plan = planner.place_problem(prob, planner.PlannerOptions(
     devices=prob.devices, microbatches=2, progress=lambda *a: calls.append(a), **fast))
-  assert calls[-1][0] == "lockstep"
-  assert calls[-1][1] == plan.lockstep_step_s
+  assert calls[-1][0] == "done"
+  assert calls[-1][1] == plan.lockstep_step_s and calls[-1][2] == plan.lockstep_bound_s
 
 
 def test_plain_stream_gets_whole_lines_and_a_final_state():
@@ -65,6 +65,14 @@ def test_terminal_line_is_rewritten_in_place():
   text = out.getvalue()
   assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
   assert "step - " in text and "gap -" in text and "gap 20.0%" in text
+
+
+def test_done_draws_the_final_line_once_and_stops():
+  out = io.StringIO()
+  with solve_progress.SolveProgress(out, plain_every_s=3600.0) as progress:
+    progress("done", 0.002, 0.002)
+    assert out.getvalue().count("\n") == 1 and "[done]" in out.getvalue()
+  assert out.getvalue().count("\n") == 1
 
 
 def test_nothing_is_drawn_when_nothing_was_solved():

@@ -1,7 +1,8 @@
 """The planner's solve as a progress line: elapsed time, incumbent step time, bound and gap.
 
-The planner reports after each phase (`PlannerOptions.progress`); a background thread redraws
-the line at a steady rate so the elapsed time moves while a long phase (CP-SAT, the MILP) runs.
+The planner reports after each phase (`PlannerOptions.progress`), last "done"; a background
+thread redraws the line at a steady rate so the elapsed time moves while a long phase (CP-SAT,
+the MILP) runs, and stops at "done".
 On a terminal the line is rewritten in place (carriage return); otherwise a plain line is written
 every `plain_every_s` seconds, and once more at the end.
 """
@@ -44,8 +45,11 @@ class SolveProgress:
     """Records a phase's result (the planner calls this); the thread draws it."""
     with self._lock:
       self.phase = phase
-      self.incumbent_s = min(self.incumbent_s, incumbent_s) if phase != "lockstep" else incumbent_s
+      # "done": the plan's own step time (in lock step it may exceed the fused searches').
+      self.incumbent_s = incumbent_s if phase == "done" else min(self.incumbent_s, incumbent_s)
       self.bound_s = bound_s
+    if phase == "done":
+      self._finish()  # the step is built and compiled after this; its time is not the solve's
 
   def line(self) -> str:
     """The current state as one line of text."""
@@ -75,9 +79,14 @@ class SolveProgress:
     self._thread.start()
     return self
 
-  def __exit__(self, *exc: object) -> None:
+  def _finish(self) -> None:
+    if self._stop.is_set():
+      return
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
     if self.phase != "start":  # something was solved: its final state
       self._draw(final=True)
+
+  def __exit__(self, *exc: object) -> None:
+    self._finish()
