@@ -86,28 +86,42 @@ def bench_planner() -> str:
   ])
 
 
+# The command that writes each results file the headline table quotes (docs/benchmarks.md has
+# the full commands and what each measures).
+COMMANDS = {
+  "bench_mp.json": "bench_mp.py",
+  "bench_memory.json": "bench_memory.py",
+  "bench_planner_fbw.json": "bench_planner.py --fbw",
+}
+
+
+def _source(name: str) -> str:
+  return (f"[`{name}`](experiments/results/{name}) | "
+          f"`python experiments/bench/{COMMANDS[name]} --out=experiments/results/{name}`")
+
+
 def headline() -> str:
-  """The README's table: one figure per benchmark."""
+  """The README's table: one figure per benchmark, its results file and the command."""
   mp = {r["model"]: r for r in _load("bench_mp.json")}
   mem = _load("bench_memory.json")["summary"]
   fbw = _load("bench_planner_fbw.json")
-  rows = ["| what | figure | file |", "|---|---|---|"]
+  rows = ["| what | figure | file | command |", "|---|---|---|---|"]
   for m in ("inception_v3", "gnmt", "biglstm"):
     if m in mp:
       rows.append(f"| 2-way MP speedup over one device, {m} small (2 pinned CPU cores) | "
-                  f"{_x(mp[m]['measured_speedup'])} | `bench_mp.json` |")
+                  f"{_x(mp[m]['measured_speedup'])} | {_source('bench_mp.json')} |")
   for key, what in (("chain_1x8_over_1x1", "uniform chain, memory per device 1x8 over 1x1"),
                     ("biglstm:paper_1x8_over_fsdp", "paper BigLSTM 1x8, memory over FSDP's"),
                     ("chain_1x4_1f1b_temp_k16_over_k4_fixed_microbatch",
                      "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)")):
     if key in mem:
-      rows.append(f"| {what} | {mem[key]:.2f} | `bench_memory.json` |")
+      rows.append(f"| {what} | {mem[key]:.2f} | {_source('bench_memory.json')} |")
   if "prediction_error_max" in mem:
     rows.append(f"| memory predicted vs compiled, worst row | {_pct(mem['prediction_error_max'])} "
-                "| `bench_memory.json` |")
+                f"| {_source('bench_memory.json')} |")
   gaps = sorted(r["gap"] for r in fbw)
   rows.append(f"| planner gap to its bound, paper sizes, median of {len(gaps)} cases | "
-              f"{_pct(gaps[len(gaps) // 2])} | `bench_planner_fbw.json` |")
+              f"{_pct(gaps[len(gaps) // 2])} | {_source('bench_planner_fbw.json')} |")
   return "\n".join(rows)
 
 
