@@ -28,3 +28,25 @@ def test_a_changed_figure_is_caught():
   start = rendered.index("<!-- figures:headline -->")
   tampered = rendered[:start] + rendered[start:].replace("x |", "1x |", 1)
   assert tampered != rendered and figures.render(tampered) == rendered
+
+
+def test_tagged_prose_figures_match_their_results_files():
+  figures = experiment_module("docs_figures")
+  tagged = 0
+  for rel in figures.DOCS:
+    with open(os.path.join(ROOT, rel)) as f:
+      text = f.read()
+    tagged += len(figures.INLINE.findall(text))
+    assert not figures.inline_mismatches(text), (rel, figures.inline_mismatches(text))
+  assert tagged, "no prose figure carries a <!-- value: FILE PATH --> tag"
+
+
+def test_a_changed_prose_figure_is_caught():
+  figures = experiment_module("docs_figures")
+  tag = ("<!-- value: bench_planner.json "
+         "model=inception_v3&devices=2&microbatches=1.predicted_speedup -->")
+  assert not figures.inline_mismatches(f"predicted 1.28x{tag}")
+  assert figures.inline_mismatches(f"predicted 1.29x{tag}") == [
+    f"1.29x but bench_planner.json {tag.split()[3]} is 1.28"]
+  assert figures.inline_mismatches(f"gap 1.3 %{tag}")  # a % figure is the value x 100 (128.0)
+  assert not figures.inline_mismatches(f"gap 128.0 %{tag}")

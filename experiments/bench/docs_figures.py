@@ -142,6 +142,41 @@ TABLES = {"paper": paper, "headline": headline, "bench_mp": bench_mp,
           "bench_planner_fbw": bench_planner_fbw}
 
 
+# A figure quoted in prose names its source right after it, e.g. `predicted 1.28x<!-- value:
+# bench_planner.json model=inception_v3&devices=2&microbatches=1.predicted_speedup -->` (on one
+# line). The path's parts are dict keys, list indices, or `key=value&...` picking the one list item
+# that matches.
+INLINE = re.compile(r"(\d+(?:\.\d+)?)( ?%|x|)<!-- value: (\S+) (\S+) -->")
+
+
+def _lookup(data, path: str):
+  for part in path.split("."):
+    if isinstance(data, list) and "=" in part:
+      want = dict(kv.split("=", 1) for kv in part.split("&"))
+      hits = [r for r in data if all(str(r.get(k)) == v for k, v in want.items())]
+      if len(hits) != 1:
+        raise KeyError(f"{part!r} matches {len(hits)} rows, not one")
+      data = hits[0]
+    elif isinstance(data, list):
+      data = data[int(part)]
+    else:
+      data = data[part]
+  return data
+
+
+def inline_mismatches(text: str) -> list[str]:
+  """Prose figures tagged with `<!-- value: FILE PATH -->` that differ from FILE's value at PATH,
+  rounded as printed (a `%` figure is the value times 100)."""
+  bad = []
+  for m in INLINE.finditer(text):
+    printed, unit, name, path = m.groups()
+    value = float(_lookup(_load(name), path)) * (100 if "%" in unit else 1)
+    digits = len(printed.split(".")[1]) if "." in printed else 0
+    if f"{value:.{digits}f}" != printed:
+      bad.append(f"{printed}{unit} but {name} {path} is {value:.{digits}f}")
+  return bad
+
+
 def render(text: str) -> str:
   """`text` with every marked table regenerated."""
   def fill(m: re.Match) -> str:
@@ -151,12 +186,13 @@ def render(text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-  stale = []
+  stale, wrong = [], []
   for rel in DOCS:
     path = os.path.join(ROOT, rel)
     with open(path) as f:
       text = f.read()
     new = render(text)
+    wrong += [f"{rel}: {bad}" for bad in inline_mismatches(text)]
     if new != text:
       stale.append(rel)
       if "--check" not in argv:
@@ -165,6 +201,10 @@ def main(argv: list[str]) -> int:
   if stale and "--check" in argv:
     print(f"figures differ from experiments/results in: {', '.join(stale)}; run "
           "python experiments/bench/docs_figures.py", file=sys.stderr)
+    return 1
+  if wrong:  # prose is not rewritten: its sentence may need more than the new number
+    print("figures in prose differ from experiments/results (edit them by hand):\n"
+          + "\n".join(wrong), file=sys.stderr)
     return 1
   return 0
 
