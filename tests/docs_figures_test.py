@@ -4,6 +4,7 @@ the results files, so a figure cannot drift from the file it names."""
 from __future__ import annotations
 
 import os
+import re
 
 from conftest import experiment_module
 
@@ -50,3 +51,13 @@ def test_a_changed_prose_figure_is_caught():
     f"1.29x but bench_planner.json {tag.split()[3]} is 1.28"]
   assert figures.inline_mismatches(f"gap 1.3 %{tag}")  # a % figure is the value x 100 (128.0)
   assert not figures.inline_mismatches(f"gap 128.0 %{tag}")
+
+
+def test_every_results_path_the_docs_name_exists():
+  named = set()
+  for rel in ("README.md", "docs/design.md", "docs/benchmarks.md", "docs/paper.md"):
+    with open(os.path.join(ROOT, rel)) as f:
+      named |= {(rel, m) for m in re.findall(r"experiments/results/[\w./-]*\w", f.read())}
+  assert len(named) > 5
+  missing = [(rel, p) for rel, p in sorted(named) if not os.path.exists(os.path.join(ROOT, p))]
+  assert not missing, missing

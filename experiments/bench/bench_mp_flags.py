@@ -12,7 +12,8 @@ flags.DEFINE_integer("batch", 0, "Per-worker batch (0: the model's bench default
 flags.DEFINE_integer("microbatches", 0, "Micro-batches for the plan (0: model default).")
 flags.DEFINE_string("planner", "milp", "Planner method.")
 # On by default since the lock-step model prices the conditionals' zero-fill (one run, batch 64,
-# k=4: it picked the faster plan for Inception-V3 and GNMT; results/bench_mp_lockstep_choice.json).
+# k=4: it chose the interleaved plan for Inception-V3 and the dp plan for GNMT over the MILP plan,
+# and those ran faster).
 flags.DEFINE_boolean("choose_lockstep", True, "Run whichever of the planner's plan and the "
                      "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
 flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
