@@ -136,10 +136,26 @@ def paper() -> str:
   return "\n".join(rows) + "\n\nSource: `experiments/results/projection_ours/projection.json`."
 
 
+def dry_run() -> str:
+  """Paper BigLSTM on two 16 GiB devices: `run.py --dry_run`'s totals, default and auto schedule."""
+  rows = ["| schedule | predicted (GiB) | compiled (GiB) | predicted vs compiled | verdict | file |",
+          "|---|---|---|---|---|---|"]
+  for schedule, name in (("1f1b", "biglstm_paper_1x2_dry_run.txt"),
+                         ("auto", "biglstm_paper_1x2_dry_run_auto.txt")):
+    with open(os.path.join(RESULTS, name)) as f:
+      lines = [ln.strip() for ln in f]
+    value = {ln.rsplit(None, 1)[0]: ln.rsplit(None, 1)[1] for ln in lines
+             if ln.startswith(("predicted total", "compiled total", "predicted vs compiled"))}
+    verdict = next(ln for ln in lines if ln.startswith(("fits", "does not fit")))
+    rows.append(f"| {schedule} | {value['predicted total']} | {value['compiled total']} | "
+                f"{value['predicted vs compiled']} | {verdict} | `{name}` |")
+  return "\n".join(rows)
+
+
 TABLES = {"paper": paper, "headline": headline, "bench_mp": bench_mp,
           "bench_mp_auto": lambda: bench_mp("bench_mp_auto_schedule.json"),
           "bench_memory": bench_memory, "bench_planner": bench_planner,
-          "bench_planner_fbw": bench_planner_fbw}
+          "bench_planner_fbw": bench_planner_fbw, "dry_run": dry_run}
 
 
 # A figure quoted in prose names its source right after it, e.g. `predicted 1.28x<!-- value:
