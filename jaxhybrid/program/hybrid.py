@@ -83,6 +83,41 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+# ZeRO stages the program runs (see HybridProgram.zero).
+ZERO_STAGES = (0, 1)
+
+
+def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, sq_worker, W):
+  """The step's tail under ZeRO stage 1, inside shard_map: each data replica reduce-scatters
+  the gradient rows (its slice, averaged over 'data'), updates its slice of the parameters with
+  its slice of the optimizer state, and all-gathers the updated rows."""
+  from jaxhybrid.train import optim
+
+  g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
+  g_rows = gradients.cut_rows(prog.layout, g_owned)
+  r = lax.axis_index(DATA)
+  g_mine, p_mine = {}, {}
+  for key, g in g_rows.items():
+    n = g.shape[0] // W
+    # The row's slice of replica r, summed over replicas, then averaged like pmean.
+    if W > 1:
+      g = lax.psum_scatter(g, DATA, scatter_dimension=0, tiled=True) / W
+    g_mine[key] = g[None]
+    p_mine[key] = lax.dynamic_slice_in_dim(params["owned"][key], r * n, n, axis=1)
+  # |g|^2 at the global batch: the slices over both axes, plus the (replicated) shared leaves.
+  sq_global = lax.psum(_sq(g_mine), (MODEL, DATA)) + _sq(g_shared)
+  grads = {"owned": g_mine, "shared": g_shared}
+  mine = {"owned": p_mine, "shared": params["shared"]}
+  with optim.owned_rows_over((MODEL, DATA)):  # global norms see every slice
+    updates, opt_state = prog.optimizer.update(grads, opt_state, mine)
+  mine = optax.apply_updates(mine, updates)
+  owned = {
+    key: lax.all_gather(x, DATA, axis=1, tiled=True) if W > 1 else x
+    for key, x in mine["owned"].items()
+  }
+  return {"owned": owned, "shared": mine["shared"]}, opt_state, loss, (sq_worker, sq_global)
+
+
 # ---- the program ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -115,6 +150,14 @@ class HybridProgram:
   # What F saves for B: 'none' (every residual), 'dots' (matmul/conv outputs; the rest is
   # recomputed in B), 'full' (nothing: B replays the node's forward).
   branch_remat: str = "none"
+  # ZeRO stage over 'data' (Rajbhandari et al. 2020): 0 keeps a full copy of every model row's
+  # optimizer state on each data replica and all-reduces the gradients; 1 shards the owned rows'
+  # optimizer state over 'data' (rows padded to a multiple of the data width), reduce-scatters
+  # the gradient rows in place of the all-reduce, updates each replica's slice and all-gathers
+  # the updated parameters: the same bytes on the wire (a ring all-reduce is a reduce-scatter
+  # plus an all-gather), 1/W of the optimizer state. Shared (replicated) leaves keep the
+  # all-reduce and a full optimizer state.
+  zero: int = 0
   _step: Callable | None = None
 
   # ---- construction ---------------------------------------------------------------------------
@@ -136,6 +179,7 @@ class HybridProgram:
     canonical_convs: bool | None = None,
     pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
     branch_remat: str = "none",
+    zero: int = 0,
   ) -> HybridProgram:
     """Builds the program.
 
@@ -160,11 +204,16 @@ class HybridProgram:
       pack_max_bytes: accepted for compatibility; messages are packed per (shift, dtype).
       branch_remat: 'none', 'dots' (F saves matmul/conv outputs only) or 'full' (every node
         rematerialised).
+      zero: 0 (optimizer state replicated over 'data') or 1 (sharded over 'data'; see the
+        `zero` attribute).
 
     Raises:
       ValueError: if the assignment or the schedule does not fit the graph or the mesh.
     """
     M = mesh.shape[MODEL]
+    if zero not in ZERO_STAGES:
+      raise ValueError(f"zero={zero!r}: use one of {', '.join(map(str, ZERO_STAGES))} (0: optimizer "
+                       "state replicated over 'data'; 1: sharded over 'data')")
     if len(assignment) != len(graph.nodes):
       raise ValueError(
         f"the plan places {len(assignment)} nodes but the graph has {len(graph.nodes)}: "
@@ -202,10 +251,12 @@ class HybridProgram:
     remat_ids = calls.remat
     return cls(
       graph=graph, mesh=mesh, optimizer=optimizer, assignment=assignment,
-      microbatches=microbatches, layout=param_layout(graph, assignment, M),
+      microbatches=microbatches,
+      layout=param_layout(graph, assignment, M, row_multiple=mesh.shape[DATA] if zero else 1),
       schedule=schedule, structure=structure, calls=calls,
       per_example=tuple(per_example), state_leaves=state_leaves, remat=remat_ids,
       canonical_convs=canonical, pack_max_bytes=int(pack_max_bytes), branch_remat=branch_remat,
+      zero=int(zero),
     )
 
   # ---- parameter packing ----------------------------------------------------------------------
@@ -232,13 +283,22 @@ class HybridProgram:
     }
 
   def _opt_specs(self, opt_state: Any) -> Any:
+    """Shardings of the optimizer state: each leaf like its parameter (owned rows over 'model',
+    and over 'data' too under ZeRO), everything else (step counts) replicated."""
     specs = self._param_specs()
+    if self.zero:
+      specs = {"owned": {r: P(MODEL, DATA) for r in specs["owned"]}, "shared": specs["shared"]}
     try:
       return optax.tree_map_params(
         self.optimizer, lambda _, s: s, opt_state, specs,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
       )
-    except Exception:  # pragma: no cover - unusual optimizer state; fall back to shapes
+    except Exception as e:
+      if self.zero:  # a shape rule could shard a leaf that is not a parameter's slice
+        raise ValueError(
+          f"zero={self.zero}: cannot match this optimizer's state to the parameters "
+          f"(optax.tree_map_params: {type(e).__name__}: {e}); use zero=0 with this optimizer"
+        ) from None
       rows = {(self.layout.devices, n) for _, n in self.layout.sizes}
       return jax.tree.map(lambda x: P(MODEL, None) if tuple(np.shape(x)) in rows else P(), opt_state)
 
@@ -292,10 +352,13 @@ class HybridProgram:
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
       sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
       if W > 1:  # (on one worker the all-reduce would only copy the gradient rows)
-        g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
+        if not self.zero:
+          g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
         g_shared = [lax.pmean(x, DATA) for x in g_shared]
-      sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
+      if self.zero:
+        return _zero_tail(self, params, opt_state, g_owned, g_shared, loss, sq_worker, W)
+      sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
       # from it only now, for the optimizer alone. The barrier keeps XLA from fusing the last
       # window's addition into the optimizer's and the sums' passes: fused, the CPU backend

@@ -137,7 +137,8 @@ class MemoryReport:
     return "\n".join(lines)
 
 
-def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | None = None) -> int:
+def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | None = None,
+                      data_shards: int = 1) -> int:
   """XLA's compiled temp bytes of the step's tail on one device, from abstract inputs.
 
   The tail as the step runs it: the gradient row made from zeros and windows (`window` elements
@@ -146,6 +147,9 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   (parameters and optimizer state donated). Returned: that temp less the gradient row itself
   (counted apart). What XLA keeps beyond its inputs depends on the optimizer and on how it fuses
   the last addition into the row's readers (on the CPU, Adam: a row-sized square and a copy).
+  With `data_shards` W > 1 (ZeRO): the update runs on a 1/W slice of each row with a 1/W slice
+  of the optimizer state, from the row's sum over its W parts (the reduce-scatter's output
+  size), and the updated slice is repeated back to the row's length (the all-gather's).
   """
   import jax.numpy as jnp
   import optax
@@ -154,7 +158,10 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     "owned": {r: jax.ShapeDtypeStruct((1, n), row_dtype(r)) for r, n in layout.sizes},
     "shared": [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.shared],
   }
-  opt = jax.eval_shape(optimizer.init, params)
+  W = int(data_shards)
+  sliced = {"owned": {r: jax.ShapeDtypeStruct((1, n // W), row_dtype(r)) for r, n in layout.sizes},
+            "shared": params["shared"]}
+  opt = jax.eval_shape(optimizer.init, sliced)
   first = row if row is not None else min((r for r, _ in layout.sizes), default=None)
   window = min(window, dict(layout.sizes).get(first, 0))
   win = jax.ShapeDtypeStruct((window,), row_dtype(first) if first else np.float32)
@@ -181,9 +188,18 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     sq = gradients.sum_of_squares(flat) + gradients.sum_of_squares(g["shared"])
     flat = jax.lax.optimization_barrier(flat)  # as the step does (hybrid.py)
     rows = gradients.cut_rows(layout, flat)
-    g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
-    u, o = optimizer.update(g, o, p)
-    return optax.apply_updates(p, u), o, sq
+    if W == 1:
+      g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
+      u, o = optimizer.update(g, o, p)
+      return optax.apply_updates(p, u), o, sq
+    g = {"owned": {r: (x.reshape(W, -1).sum(0) / W)[None] for r, x in rows.items()},
+         "shared": g["shared"]}
+    mine = {"owned": {r: x[:, : x.shape[1] // W] for r, x in p["owned"].items()},
+            "shared": p["shared"]}
+    u, o = optimizer.update(g, o, mine)
+    mine = optax.apply_updates(mine, u)
+    owned = {r: jnp.tile(x, (1, W)) for r, x in mine["owned"].items()}
+    return {"owned": owned, "shared": mine["shared"]}, o, sq
 
   start = jax.ShapeDtypeStruct((), np.int32)
   compiled = jax.jit(tail, donate_argnums=(0, 1)).lower(params, opt, params, win, start).compile()
@@ -246,9 +262,10 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   opt_rows = sum(
     _nbytes(x) for x in jax.tree.leaves(ts.opt_state) if tuple(x.shape) in row_shapes
   )
-  opt_per_device = opt - opt_rows + opt_rows // M
-  batch = abstract_batch(prog)
   W = prog.mesh.shape[DATA]
+  # Under ZeRO the rows' optimizer state is also split over the W data replicas.
+  opt_per_device = opt - opt_rows + opt_rows // (M * (W if getattr(prog, "zero", 0) else 1))
+  batch = abstract_batch(prog)
   batch_bytes = sum(
     _nbytes(x) // (W if pe else 1) for x, pe in zip(batch, prog.per_example)
   )
@@ -275,7 +292,10 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     devices=M, params=params, optimizer=opt_per_device, gradients=params,
     live_peak=max(live, default=0), window=window,
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
-    update_temp=update_temp_bytes(prog.optimizer, lay, last.length if last else 0, last.row_key if last else None), batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
+    update_temp=update_temp_bytes(
+      prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
+      data_shards=W if getattr(prog, "zero", 0) else 1),
+    batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )
 

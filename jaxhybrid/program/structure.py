@@ -87,9 +87,14 @@ class ParamLayout:
 def param_layout(
   graph: graph_lib.OpGraph, assignment: Sequence[int], devices: int,
   *, slot_min_bytes: int | None = None, slot_extra_fraction: float | None = None,
+  row_multiple: int = 1,
 ) -> ParamLayout:
   """Assigns every parameter leaf to the device of the nodes that read it (or shares it), and
-  to a row of that device (module docstring; defaults SLOT_MIN_BYTES, SLOT_EXTRA_FRACTION)."""
+  to a row of that device (module docstring; defaults SLOT_MIN_BYTES, SLOT_EXTRA_FRACTION).
+  Every row's length is rounded up to a multiple of `row_multiple` (the data width when the
+  optimizer state is sharded over 'data': each data replica then holds an equal slice)."""
+  if row_multiple < 1:
+    raise ValueError(f"row_multiple={row_multiple}: use 1 or more")
   min_bytes = SLOT_MIN_BYTES if slot_min_bytes is None else slot_min_bytes
   if min_bytes is None:
     min_bytes = float("inf")
@@ -139,8 +144,9 @@ def param_layout(
         if not row_of[i]:
           row_of[i], offset[i] = dt, pos
           pos += n_of[i]
-    sizes.append((dt, max([1] + list(packed.values()))))
-    sizes.extend((f"{dt}#{j}", n) for j, n in enumerate(slots))
+    up = lambda n: -(-n // row_multiple) * row_multiple  # noqa: E731
+    sizes.append((dt, up(max([1] + list(packed.values())))))
+    sizes.extend((f"{dt}#{j}", up(n)) for j, n in enumerate(slots))
   return ParamLayout(
     owner=tuple(owner), offset=tuple(offset), sizes=tuple(sizes), shared=tuple(shared),
     shapes=tuple(tuple(a.shape) for a in avals), dtypes=tuple(dts), devices=devices,
