@@ -31,6 +31,9 @@ _TIME_LIMIT = flags.DEFINE_float("time_limit", 30.0, "Planner time limit, second
 _SCHEDULE = flags.DEFINE_string(
   "schedule", "1f1b", "Task schedule: gpipe | 1f1b | zb | auto (the planner picks the cheapest "
   "in lock step, its own group-by-group orders included).")
+_ZERO = flags.DEFINE_integer(
+  "zero", runner.DEFAULT_ZERO,
+  "ZeRO stage over the data axis: 0 = full optimizer state per data replica, 1 = sharded over them.")
 _DRY_RUN = flags.DEFINE_boolean(
   "dry_run", False, "Plan, compile from abstract inputs and print per-device memory; no training.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Cost-model hardware profile (default: detect).")
@@ -73,7 +76,7 @@ def main(argv):
     config = runner.RunConfig(
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
-      schedule=_SCHEDULE.value, dry_run=_DRY_RUN.value,
+      schedule=_SCHEDULE.value, zero=_ZERO.value, dry_run=_DRY_RUN.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
       plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,

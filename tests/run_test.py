@@ -66,8 +66,11 @@ def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   cfg = dataclasses.replace(TINY, model=model, mesh="1x2", batch=2, steps=2, planner="milp",
                             workdir=str(tmp_path / "w"), overrides=overrides)
   res = runner.run(cfg)
-  for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection"):
+  for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection",
+              "memory"):
     assert res[key] is not None, key
+  mem = res["memory"]
+  assert mem["zero"] == runner.DEFAULT_ZERO and mem["predicted_bytes"] > mem["params_bytes"] > 0
   assert res["metrics"]["steps"] == 2
   assert os.path.exists(tmp_path / "w" / "gantt.png")
   # The prediction is the lock-step price of the program plus the gradient all-reduce.

@@ -24,6 +24,11 @@ def plot_loss(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
   plt.close(fig)
 
 
+def _size(n: float) -> str:
+  """Bytes as GiB from 1 GiB up, else MiB."""
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def format_report(results: dict[str, Any]) -> str:
   """The end-of-run text: plan, predicted versus measured step time, projection, outputs."""
   c, m = results["config"], results["metrics"]
@@ -39,6 +44,12 @@ def format_report(results: dict[str, Any]) -> str:
     f"{results['predicted']['allreduce_s'] * 1e3:.3f} ms), measured "
     + (f"{meas * 1e3:.3f} ms (ratio {meas / pred:.2f})" if meas and pred else "n/a"),
   ]
+  mem = results.get("memory")
+  if mem:
+    lines.append(
+      f"memory per device (predicted): {_size(mem['predicted_bytes'])} (parameters "
+      f"{_size(mem['params_bytes'])}, optimizer state {_size(mem['optimizer_bytes'])}, gradients "
+      f"{_size(mem['gradients_bytes'])}; ZeRO stage {mem['zero']})")
   if results["devices"]["platform"] == "cpu" and results["devices"]["count"] > 2:
     lines.append("  (simulated CPU devices share the cores: measured times say nothing about MP speed)")
   if results.get("projection_table"):

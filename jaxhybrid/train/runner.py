@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 # The optimizer when neither --optimizer nor the paper (at --size=paper) names one.
 DEFAULT_OPTIMIZER = "adam"
+# ZeRO stage of the main job (see RunConfig.zero): stage 1 divides the rows' optimizer state by
+# the data width; with one data replica it is the same program as stage 0.
+DEFAULT_ZERO = 1
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
-                     "optimizer", "learning_rate", "clip_norm", "schedule")
+                     "optimizer", "learning_rate", "clip_norm", "schedule", "zero")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +69,10 @@ class RunConfig:
   # Task schedule the program runs: gpipe | 1f1b | zb (planner.task_schedule), or 'auto': the
   # planner picks the cheapest in lock step among all of them and its own orders ('custom').
   schedule: str = "1f1b"
+  # ZeRO stage over the data axis: 0 = every data replica keeps its model row's full optimizer
+  # state; 1 = that state is sharded over the data replicas (gradients reduce-scattered, updated
+  # parameters all-gathered: the all-reduce's bytes). See HybridProgram.zero.
+  zero: int = DEFAULT_ZERO
   # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
   dry_run: bool = False
   # Hardware profile of the analytic cost model (jaxhybrid.costs.hardware names); None = detect.
@@ -299,7 +306,8 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
                          **({"progress": progress} if shown else {}),
                          **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,
         # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
-        program_options={} if config.schedule == "auto" else {"schedule": config.schedule},
+        program_options={"zero": config.zero,
+                         **({} if config.schedule == "auto" else {"schedule": config.schedule})},
       )
   except planner_lib.InfeasibleError as e:
     raise errors.DoesNotFitError(f"{e}") from None
@@ -328,6 +336,16 @@ def _replicate_step(state: Any, mesh: Any) -> Any:
   return state._replace(step=jax.make_array_from_callback((), sharding, lambda _: step))
 
 
+def predicted_memory(hybrid: Any) -> Any:
+  """The program's predicted per-device memory (jaxhybrid.program.memory; nothing compiled),
+  computed once per program."""
+  report = getattr(hybrid, "_predicted_memory", None)
+  if report is None:
+    report = hybrid.program.memory(compile=False)
+    object.__setattr__(hybrid, "_predicted_memory", report)
+  return report
+
+
 def check_fits(hybrid: Any, limit_bytes: int | None = None) -> None:
   """Raises a one-line UsageError when the program's predicted per-device memory exceeds the
   device's (`limit_bytes`, default: the accelerator's `bytes_limit`; CPU hosts are not checked:
@@ -339,13 +357,20 @@ def check_fits(hybrid: Any, limit_bytes: int | None = None) -> None:
     limit_bytes = (dev.memory_stats() or {}).get("bytes_limit")
     if not limit_bytes:
       return
-  need = hybrid.program.memory(compile=False).predicted
+  need = predicted_memory(hybrid).predicted
   if need > limit_bytes:
     raise errors.UsageError(
       f"the plan needs {need / 2**30:.2f} GiB per device (predicted), more than the "
       f"{limit_bytes / 2**30:.2f} GiB a device holds: use more model-axis devices (--mesh=DxM "
       "with a larger M), more --microbatches or a smaller --batch; --dry_run prints the table"
     )
+
+
+def _memory_summary(hybrid: Any, config: RunConfig) -> dict[str, Any]:
+  """Per-device memory of the step as the memory model predicts it (bytes), by part."""
+  r = predicted_memory(hybrid)
+  return {"zero": config.zero, "predicted_bytes": int(r.predicted), "params_bytes": int(r.params),
+          "optimizer_bytes": int(r.optimizer), "gradients_bytes": int(r.gradients)}
 
 
 def run(config: RunConfig) -> dict[str, Any]:
@@ -422,6 +447,7 @@ def run(config: RunConfig) -> dict[str, Any]:
                 "noise_scale": next((r["noise_scale"] for r in reversed(rows) if "noise_scale" in r), None)},
     "predicted_step_s": predicted["step_s"],
     "predicted": predicted,
+    "memory": _memory_summary(hybrid, config),
     "measured_step_s": result.measured_step_s,
     "projection": None,
   }
