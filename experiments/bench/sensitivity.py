@@ -7,7 +7,7 @@ Per paper model (DGX-1 V100, M=2, N = 2 ... 1024), the gain at scale (best hybri
 and the crossover with our planner's S_MP (read from the projection.json that project.py saved,
 or searched again with the heuristics when --from_projection is not given), then with one input
 changed at a time: B_noise x 1/4, 1/2, 2, 4; overlap 0.5 and 1; S_MP x 0.9, 1.1 and the paper's
-figure. Prints a table and writes results/sensitivity.json.
+figure. Prints a table and writes experiments/results/sensitivity.json.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxhybrid.costs import hardware
 from jaxhybrid.projection import paper_scenario
 
 _FROM = flags.DEFINE_string("from_projection", None, "projection.json with s_mp_search per model.")
-_OUT = flags.DEFINE_string("out", "results/sensitivity.json", "Output JSON.")
+_OUT = flags.DEFINE_string("out", "experiments/results/sensitivity.json", "Output JSON.")
 DEVICES = [2**k for k in range(1, 11)]
 
 
