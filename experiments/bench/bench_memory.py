@@ -12,7 +12,9 @@ Results are written after every row. Targets: the uniform 8-layer chain at
 1x8 <= 0.25x and at 1x2 <= 0.6x its 1x1 bytes; 1F1B temp at k=16 <= 0.75x temp at k=4 (1x4,
 global batch 2048), and at most 1.10x with a fixed micro-batch size (`--fixed_microbatch` rows:
 the chain at 1x4, BigLSTM small at 1x2); predicted within 15 % of compiled; paper BigLSTM with AdaGrad fits a 16 GiB
-V100 at 1x2 and not at 1x1; hybrid within 1.3x of FSDP.
+V100 at 1x2 and not at 1x1; hybrid within 1.3x of FSDP. `--zero_rows`: the hybrid on D x M
+meshes at each ZeRO stage (`HybridProgram.zero`) beside FSDP on the same D x M devices, with
+summary keys `<model>_<DxM>_zero<stage>_over_zero0` and `..._over_fsdp`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ _FIXED_MB = flags.DEFINE_list(
 # Rows per micro-batch of the fixed-micro-batch rows (assumption: small enough that a chain's
 # activations, not its parameters, are most of the temporaries at 1x4).
 FIXED_MB_ROWS = 32
+_ZERO_ROWS = flags.DEFINE_list(
+  "zero_rows", ["chain:2x2", "chain:4x2", "chain:8x2", "chain:16x2", "gnmt:paper:8x2",
+                "biglstm:paper:16x2"],
+  "<model>:<DxM> (chain, or <registry name>:<size>:<DxM>) compiled with each --zero_stages "
+  "stage, beside FSDP on the same D x M devices (per-worker batch as the other rows).")
+_ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1"], "ZeRO stages of the zero rows.")
 _BASELINES = flags.DEFINE_boolean("baselines", True, "Also compile plain-jit DP and FSDP.")
 _SLOT = flags.DEFINE_integer(
   "slot_min_bytes", -1, "structure.SLOT_MIN_BYTES for the program: leaves of this many bytes or "
@@ -86,8 +94,9 @@ def _registry_setup(name: str, size: str, batch_rows: int | None = None):
   return model, spec.loss_fn, batch, opt, None
 
 
-def _hybrid(model, loss, batch, opt, assign, m, k, schedule):
-  """The program: the chain placed evenly by `assign`; registry models by the 'dp' planner."""
+def _hybrid(model, loss, batch, opt, assign, m, k, schedule, data=1, zero=0):
+  """The program on a data x m mesh: the chain placed evenly by `assign`; registry models by
+  the 'dp' planner."""
   import types
 
   import jax
@@ -97,24 +106,24 @@ def _hybrid(model, loss, batch, opt, assign, m, k, schedule):
   from jaxhybrid import mesh as mesh_lib
   from jaxhybrid import program as program_lib
 
-  mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
+  mesh = mesh_lib.make(mesh_lib.MeshShape(data, m), jax.devices()[:data * m])
   if assign is None:
     return api.parallelize(
       model, loss, opt, batch, mesh=mesh, microbatches=k, planner="dp", hardware="dgx1-v100",
-      program_options={"schedule": schedule},
+      program_options={"schedule": schedule, "zero": zero},
     )
   b = jax.tree.leaves(batch)[0].shape[0]
-  spec, per_example = api.microbatch_spec(batch, b, b // k)
+  spec, per_example = api.microbatch_spec(batch, b, b // (data * k))
   _, p, s, pure = graph_lib.nnx_pure_loss(model, loss)
   g = graph_lib.trace_function(pure, p, s, spec)
   prog = program_lib.HybridProgram.build(
     g, mesh, opt, [assign(n, m) for n in g.nodes], microbatches=k, per_example=per_example,
-    schedule=schedule,
+    schedule=schedule, zero=zero,
   )
   return types.SimpleNamespace(graph=g, program=prog)
 
 
-def _baselines(model, loss, batch, opt, m):
+def _baselines(model, loss, batch, opt, m, modes=("dp", "fsdp")):
   import jax
 
   from jaxhybrid import graph as graph_lib
@@ -123,7 +132,52 @@ def _baselines(model, loss, batch, opt, m):
 
   mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
   _, p, s, pure = graph_lib.nnx_pure_loss(model, loss, scopes=False)
-  return {mode: memory.baseline_bytes(pure, p, s, batch, opt, mesh, mode) for mode in ("dp", "fsdp")}
+  return {mode: memory.baseline_bytes(pure, p, s, batch, opt, mesh, mode) for mode in modes}
+
+
+def _zero_rows(rows, skipped, out_path, slot_min_bytes):
+  """Per --zero_rows entry: the hybrid at each ZeRO stage and FSDP over the same D x M devices,
+  with the same per-worker batch (the chain's 64 rows; a registry model's paper per-GPU batch
+  or 8), so the global batch is D times that."""
+  import jax
+
+  for entry in _ZERO_ROWS.value:
+    name, mesh_spec = entry.rsplit(":", 1)
+    d, m = (int(x) for x in mesh_spec.split("x"))
+    if d * m > len(jax.devices()):
+      skipped.append(f"{entry}: only {len(jax.devices())} devices")
+      continue
+    if name == "chain":
+      model, loss, batch, opt, assign = _chain_setup(2048, 8, 64 * d)
+    else:
+      rows_per = _registry_setup(*name.split(":"))[2]
+      per = jax.tree.leaves(rows_per)[0].shape[0]
+      model, loss, batch, opt, assign = _registry_setup(*name.split(":"), per * d)
+    k = m
+    for z in (int(x) for x in _ZERO_STAGES.value):
+      t0 = time.perf_counter()
+      try:
+        hy = _hybrid(model, loss, batch, opt, assign, m, k, "1f1b", data=d, zero=z)
+        r = hy.program.memory()
+      except Exception as e:  # noqa: BLE001 - reported, not fatal
+        skipped.append(f"{entry} zero={z}: {type(e).__name__}: {str(e)[:200]}")
+        print("SKIPPED", skipped[-1], flush=True)
+        continue
+      row = {"model": f"{name}@zero", "mesh": mesh_spec, "D": d, "M": m, "k": k, "zero": z,
+             "schedule": "1f1b", "nodes": len(hy.graph.nodes), **r.to_dict(),
+             "seconds": time.perf_counter() - t0}
+      if z == 0 and _BASELINES.value:
+        try:
+          row["baselines"] = _baselines(model, loss, batch, opt, d * m, modes=("fsdp",))
+        except Exception as e:  # noqa: BLE001
+          row["baselines_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      rows.append(row)
+      fsdp = row.get("baselines", {}).get("fsdp", {}).get("total")
+      print(f"{name:<18} {mesh_spec:<5} zero={z} compiled {r.compiled / GiB:8.3f} GiB "
+            f"(args {r.compiled_arguments / GiB:.3f}, temp {r.compiled_temp / GiB:.3f}) "
+            f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%}"
+            + (f" | FSDP {fsdp / GiB:8.3f}" if fsdp else ""), flush=True)
+      _write(out_path, rows, skipped, slot_min_bytes)
 
 
 def _cases(name: str):
@@ -144,7 +198,9 @@ def main(argv):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from jaxhybrid import mesh as mesh_lib
 
-  mesh_lib.simulate_cpu_devices(8)
+  need = [8] + [int(a) * int(b) for a, b in
+                (e.rsplit(":", 1)[1].split("x") for e in _ZERO_ROWS.value)]
+  mesh_lib.simulate_cpu_devices(max(need))
   import jax
 
   from jaxhybrid.program import structure
@@ -216,6 +272,7 @@ def main(argv):
       print(f"{name + '@fixed_mb':<18} 1x{m} k={k:<3} 1f1b  temp {r.compiled_temp / 2**20:8.2f} MiB "
             f"err {r.error:+6.1%}", flush=True)
       _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+  _zero_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   print(json.dumps(_summary(rows), indent=1))
   _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
 
@@ -254,7 +311,17 @@ def _summary(rows):
   if errs:
     out["prediction_error_max"] = max(errs)
     out["prediction_error_mean"] = sum(errs) / len(errs)
-  for model in {r["model"] for r in rows}:
+  for model in sorted({r["model"] for r in rows if r["model"].endswith("@zero")}):
+    name = model.split("@")[0]
+    for mesh in sorted({r["mesh"] for r in rows if r["model"] == model}):
+      by = {r["zero"]: r for r in rows if r["model"] == model and r["mesh"] == mesh}
+      fsdp = by.get(0, {}).get("baselines", {}).get("fsdp", {}).get("total")
+      for z, r in by.items():
+        if z and 0 in by:
+          out[f"{name}_{mesh}_zero{z}_over_zero0"] = r["compiled"] / by[0]["compiled"]
+        if z and fsdp:
+          out[f"{name}_{mesh}_zero{z}_over_fsdp"] = r["compiled"] / fsdp
+  for model in {r["model"] for r in rows if not r["model"].endswith("@zero")}:
     for m in {r["M"] for r in rows if r["model"] == model}:
       b = best(model, m)
       base = next((r for r in rows if r["model"] == model and r["M"] == m and "baselines" in r),
