@@ -48,3 +48,19 @@ def test_zero_stage_is_checked():
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"zero=3: use one of 0, 1"):
     build(model, toy.lstm_loss, toy.lstm_batch(8), "2x2", split_lstm, 1, optax.adam(1e-2), zero=3)
+
+
+def test_projection_exposes_the_all_gather_half_under_zero():
+  """With the backward pass hiding the whole all-reduce, ZeRO's all-gather (after the update)
+  stays exposed: half the ring all-reduce's time; without overlap both price the same."""
+  from jaxhybrid import projection
+
+  t_ar = 0.2
+  hidden = projection.CommConfig(overlap=1.0)
+  assert projection.framework.exposed_comm_s(t_ar, hidden) == 0.0
+  assert projection.framework.exposed_comm_s(
+    t_ar, projection.CommConfig(overlap=1.0, zero=1)) == pytest.approx(0.1)
+  assert projection.framework.exposed_comm_s(t_ar, projection.CommConfig(zero=1)) == pytest.approx(
+    projection.framework.exposed_comm_s(t_ar, projection.CommConfig()))
+  with pytest.raises(ValueError, match="zero=2"):
+    projection.CommConfig(zero=2)

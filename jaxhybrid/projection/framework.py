@@ -107,6 +107,12 @@ class CommConfig:
   # ~120-130 GB/s bus bandwidth of the DGX-1V's 150 GB/s per GPU)
   nic_efficiency: float = 0.8  # achieved fraction of InfiniBand bandwidth (assumption)
   algorithm: str = "auto"  # 'ring' (flat), 'hierarchical', or 'auto' (the faster of the two)
+  # ZeRO stage over the data axis (jaxhybrid.program.HybridProgram.zero). 0: one all-reduce,
+  # `overlap` of it hidden. 1: its two halves at the same bytes, a reduce-scatter (`overlap` of
+  # it hidden behind the backward pass) and an all-gather of the updated parameters, which runs
+  # after the optimizer and is never hidden (assumption: the next step's forward does not start
+  # before it ends, as in our program).
+  zero: int = 0
 
   def __post_init__(self):
     if not 0 <= self.overlap <= 1:
@@ -114,6 +120,8 @@ class CommConfig:
     for name in ("link_efficiency", "nic_efficiency"):
       if not 0 < getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1].")
+    if self.zero not in (0, 1):
+      raise ValueError(f"zero={self.zero}; use 0 or 1.")
     if self.algorithm not in ("ring", "hierarchical", "auto"):
       raise ValueError(f"algorithm={self.algorithm!r}; use 'ring', 'hierarchical' or 'auto'.")
 
@@ -288,7 +296,16 @@ def step_time(w: Workload, devices: int, m: int, hw: hw_lib.Hardware, comm: Comm
   check_layout(devices, m, hw)
   t_comp = w.step_time(w.per_worker_batch) / w.speedup_mp(m)
   t_ar = allreduce_time(w.bytes_per_device(m), devices, hw, comm, devices_per_worker=m)
-  return t_comp + (1.0 - comm.overlap) * t_ar
+  return t_comp + exposed_comm_s(t_ar, comm)
+
+
+def exposed_comm_s(t_ar: float, comm: CommConfig) -> float:
+  """The part of a step's gradient exchange (`t_ar`: the ring all-reduce's time) the backward
+  pass does not hide: all of it but `overlap` for an all-reduce; under ZeRO stage 1 the
+  reduce-scatter half hidden likewise, the all-gather half never (see CommConfig.zero)."""
+  if comm.zero:
+    return (1.0 - comm.overlap) * t_ar / 2 + t_ar / 2
+  return (1.0 - comm.overlap) * t_ar
 
 
 def speedup(w: Workload, devices: int, m: int, hw: hw_lib.Hardware, comm: CommConfig) -> float:
@@ -416,6 +433,8 @@ def assumptions(w: Workload, hw: hw_lib.Hardware, comm: CommConfig) -> tuple[tup
     ("link_efficiency", f"{comm.link_efficiency:g} of NVLink/NVSwitch bandwidth"),
     ("nic_efficiency", f"{comm.nic_efficiency:g} of InfiniBand bandwidth"),
     ("allreduce_algorithm", comm.algorithm),
+    ("zero", "all-reduce" if not comm.zero else
+     "ZeRO 1: reduce-scatter (overlap applies) + all-gather after the update (exposed)"),
     ("hardware", f"{hw.name}: {hw.device_kind}, {hw.peak_flops / 1e12:g} TFLOP/s "
      f"{hw.peak_flops_dtype} at efficiency {hw.efficiency:g}; {hw.source}"),
     ("latencies",

@@ -16,7 +16,7 @@ from jaxhybrid import mesh as mesh_lib
 PROJECTION_OVERRIDES = ("time_chunks",)
 
 
-def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
+def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
   """The program's per-worker step plus the ring all-reduce of the largest per-device gradient
   shard.
 
@@ -36,8 +36,11 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, float]:
   grad_bytes = max(lay.bytes_per_device()) + shared
   workers = hybrid.mesh.shape[mesh_lib.DATA]
   ar = costs.allreduce_time_s(grad_bytes, workers)
+  # Under ZeRO stage 1 the rows' all-reduce is a reduce-scatter plus an all-gather: the same
+  # bytes over the same ring, so the same time (none of it overlaps compute in the program).
   return {"plan_step_s": hybrid.plan.predicted_step_s, "lockstep_step_s": lock, "allreduce_s": ar,
-          "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes)}
+          "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes),
+          "data_exchange": "reduce-scatter + all-gather" if getattr(prog, "zero", 0) else "all-reduce"}
 
 
 def project(config: Any, plan: Any, model_axis: int) -> Any:
@@ -64,5 +67,6 @@ def project(config: Any, plan: Any, model_axis: int) -> Any:
   est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8],
                              model_overrides=overrides).s_mp[0]
   w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
-  p = projection.project(w, hw, projection.CommConfig(), [2**i for i in range(11)], m=m)
+  comm = projection.CommConfig(zero=getattr(config, "zero", 0))
+  p = projection.project(w, hw, comm, [2**i for i in range(11)], m=m)
   return p, est
