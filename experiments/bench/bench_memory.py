@@ -45,6 +45,9 @@ _ZERO_ROWS = flags.DEFINE_list(
   "<model>:<DxM> (chain, or <registry name>:<size>:<DxM>) compiled with each --zero_stages "
   "stage, beside FSDP on the same D x M devices (per-worker batch as the other rows).")
 _ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1"], "ZeRO stages of the zero rows.")
+_UPDATE = flags.DEFINE_boolean(
+  "update", False, "Keep the rows already in --out and replace (or add) only the rows this run "
+  "measures; each row records the commit of the program that measured it ('program').")
 _BASELINES = flags.DEFINE_boolean("baselines", True, "Also compile plain-jit DP and FSDP.")
 _SLOT = flags.DEFINE_integer(
   "slot_min_bytes", -1, "structure.SLOT_MIN_BYTES for the program: leaves of this many bytes or "
@@ -210,6 +213,11 @@ def main(argv):
 
   rows = []
   out_path = _OUT.value
+  global _KEPT, _PROGRAM
+  _PROGRAM = _program_commit()
+  if _UPDATE.value and os.path.exists(out_path):
+    with open(out_path) as f:
+      _KEPT = json.load(f)["rows"]
   os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
   skipped = []
   for entry in _MODELS.value:
@@ -277,8 +285,35 @@ def main(argv):
   _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
 
 
+# Rows of an earlier run kept by --update, and the commit this run measures.
+_KEPT: list[dict] = []
+_PROGRAM = None
+
+
+def _program_commit() -> str | None:
+  import subprocess
+
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxhybrid", "planner", "models"],
+                           capture_output=True, text=True, check=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return out.stdout.strip() + ("+changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
+def _row_key(r):
+  return (r["model"], r.get("mesh"), r["M"], r["k"], r["schedule"], r.get("zero"))
+
+
 def _write(path, rows, skipped, slot_min_bytes):
   """The results so far (written after every row, so a cut run keeps what it measured)."""
+  for r in rows:
+    r.setdefault("program", _PROGRAM)
+  new = {_row_key(r) for r in rows}
+  rows = [r for r in _KEPT if _row_key(r) not in new] + rows
   with open(path, "w") as f:
     json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
                "slot_min_bytes": slot_min_bytes}, f, indent=1)
