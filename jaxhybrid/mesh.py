@@ -6,6 +6,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -17,6 +18,26 @@ from jax.sharding import Mesh
 DATA = "data"  # data-parallel axis: workers, gradients all-reduced over it
 MODEL = "model"  # model-parallel axis: the devices of one worker, placed by the planner
 AXES = (DATA, MODEL)
+
+# The axes the hybrid program's owned parameter rows are split over while it traces the
+# optimizer update: 'model' (a row per model-axis device), or ('model', 'data') under ZeRO (each
+# data replica updates a slice). Reductions over all parameters (global-norm clipping) read it.
+_OWNED_AXES: list = [MODEL]
+
+
+@contextlib.contextmanager
+def owned_rows_over(axes):
+  """Within the block, `owned_rows_axes()` is `axes` (set by the program's ZeRO tail)."""
+  _OWNED_AXES.append(axes)
+  try:
+    yield
+  finally:
+    _OWNED_AXES.pop()
+
+
+def owned_rows_axes():
+  """The mesh axes the owned rows are split over in the update being traced (see above)."""
+  return _OWNED_AXES[-1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
-from jaxhybrid.mesh import DATA, MODEL
+from jaxhybrid.mesh import DATA, MODEL, owned_rows_over
 from jaxhybrid.planner import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
 from jaxhybrid.program import tasks as tasks_lib
@@ -91,8 +91,6 @@ def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, 
   """The step's tail under ZeRO stage 1, inside shard_map: each data replica reduce-scatters
   the gradient rows (its slice, averaged over 'data'), updates its slice of the parameters with
   its slice of the optimizer state, and all-gathers the updated rows."""
-  from jaxhybrid.train import optim
-
   g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
   g_rows = gradients.cut_rows(prog.layout, g_owned)
   r = lax.axis_index(DATA)
@@ -108,7 +106,7 @@ def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, 
   sq_global = lax.psum(_sq(g_mine), (MODEL, DATA)) + _sq(g_shared)
   grads = {"owned": g_mine, "shared": g_shared}
   mine = {"owned": p_mine, "shared": params["shared"]}
-  with optim.owned_rows_over((MODEL, DATA)):  # global norms see every slice
+  with owned_rows_over((MODEL, DATA)):  # global norms see every slice
     updates, opt_state = prog.optimizer.update(grads, opt_state, mine)
   mine = optax.apply_updates(mine, updates)
   owned = {

@@ -12,7 +12,6 @@ reference alike.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
@@ -20,23 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxhybrid.mesh import MODEL
-
-
-# The mesh axes the owned rows are split over inside the program's update: 'model' (one row per
-# model-axis device), or ('model', 'data') under ZeRO (each data replica updates a slice).
-_OWNED_AXES: list[Any] = [MODEL]
-
-
-@contextlib.contextmanager
-def owned_rows_over(axes: Any):
-  """Within the block, `global_norm` sums the owned rows over `axes` (the hybrid program's
-  ZeRO tail sets ('model', 'data') while it traces the optimizer update)."""
-  _OWNED_AXES.append(axes)
-  try:
-    yield
-  finally:
-    _OWNED_AXES.pop()
+from jaxhybrid.mesh import MODEL, owned_rows_axes
 
 
 def _is_program_tree(updates: Any) -> bool:
@@ -62,7 +45,7 @@ def global_norm(updates: Any, axis_name: str = MODEL) -> jax.Array:
   if not (_is_program_tree(updates) and _axis_bound(axis_name)):
     return optax.tree.norm(updates)
   sq = lambda tree: sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))  # noqa: E731
-  axes = _OWNED_AXES[-1] if axis_name == MODEL else axis_name
+  axes = owned_rows_axes() if axis_name == MODEL else axis_name
   return jnp.sqrt(lax.psum(sq(updates["owned"]), axes) + sq(updates["shared"]))
 
 
