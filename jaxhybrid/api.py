@@ -408,7 +408,7 @@ def _check_program_options(options: dict[str, Any]) -> None:
   if unknown:
     raise ValueError(f"program_options {unknown} are not HybridProgram.build options: use some "
                      f"of {', '.join(known)}")
-  from jaxhybrid.planner.task_schedule import KINDS as kinds
+  from jaxhybrid.planner.core.task_schedule import KINDS as kinds
 
   sched = options.get("schedule")
   if isinstance(sched, str) and sched not in kinds:
@@ -456,7 +456,7 @@ def _check_plan(
   t_plan = lockstep.plan_step_s(g, plan, costs, schedule=sched, **kw).step_s
   # One device runs the same kind of schedule (a given TaskSchedule is for the plan's devices).
   kind = sched.kind if isinstance(sched, planner_lib.TaskSchedule) else sched
-  if isinstance(sched, planner_lib.TaskSchedule) and kind not in planner_lib.task_schedule.KINDS:
+  if isinstance(sched, planner_lib.TaskSchedule) and kind not in planner_lib.core.task_schedule.KINDS:
     # A plan's own order (the F/B/W MILP's 'custom'): one device runs the generated schedule of
     # the same split.
     kind = "zb" if sched.split else "1f1b"

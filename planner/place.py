@@ -33,18 +33,18 @@ import dataclasses
 import logging
 from typing import Any
 
-from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import cpsat, decompose, milp, relax
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.bounds import audited_bound
-from jaxhybrid.planner.clock import Clock as _Clock
-from jaxhybrid.planner.options import InfeasibleError, PlannerOptions, as_options
+from jaxhybrid.planner.lower_bounds import bounds as bounds_lib
+from jaxhybrid.planner.solvers import cpsat, decompose, milp, relax
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.lower_bounds.bounds import audited_bound
+from jaxhybrid.planner.core.clock import Clock as _Clock
+from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.place_lockstep import REMEDY as _REMEDY
 from jaxhybrid.planner.place_lockstep import lockstep as _lockstep
-from jaxhybrid.planner.plan import Plan
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.output.plan import Plan
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,15 @@ import math
 import time
 from typing import Any, Mapping
 
-from jaxhybrid.planner import (fbw_milp, fbw_search, lockstep_bound, lockstep_cpsat, lockstep_order,
-                               placement_bound)
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.bounds import audited_bound
-from jaxhybrid.planner.clock import MIN_PHASE_S, Clock
-from jaxhybrid.planner.options import InfeasibleError, PlannerOptions
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import placement_bound
+from jaxhybrid.planner.search import fbw_search, lockstep_order
+from jaxhybrid.planner.solvers import fbw_milp, lockstep_bound, lockstep_cpsat
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.lower_bounds.bounds import audited_bound
+from jaxhybrid.planner.core.clock import MIN_PHASE_S, Clock
+from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
+from jaxhybrid.planner.core.problem import Problem
 
 # What to do when the memory caps cannot be met (the end of every InfeasibleError on memory).
 REMEDY = ("raise memory_caps_bytes (None or 0: no cap), use more devices, fewer micro-batches, "

@@ -129,7 +129,7 @@ def test_the_guides_names_resolve_after_import_jaxhybrid():
   import jaxhybrid
 
   assert callable(jaxhybrid.program.lockstep.plan_step_s)
-  assert callable(jaxhybrid.planner.lockstep_rule.lockstep_groups)
+  assert callable(jaxhybrid.planner.pricing.lockstep_rule.lockstep_groups)
   assert jaxhybrid.costs.hardware.get("dgx1-v100").memory_bytes > 0
   assert jaxhybrid.models.biglstm.BigLSTMConfig.tiny().num_layers >= 1
   with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):

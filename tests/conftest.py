@@ -39,7 +39,7 @@ import pytest  # noqa: E402
 
 class _BoundErrors(logging.Handler):
   """Collects the planner's reports of a lower bound above a schedule it found
-  (jaxhybrid.planner.bounds.audited_bound)."""
+  (jaxhybrid.planner.lower_bounds.bounds.audited_bound)."""
 
   def __init__(self):
     super().__init__(level=logging.ERROR)

@@ -312,7 +312,7 @@ def test_rematerialised_times_are_cached_apart(tmp_path, monkeypatch):
 
 
 def test_task_profiles_measure_the_forward_share_for_planner_and_lockstep(tmp_path, monkeypatch):
-  from jaxhybrid.planner import problem as problem_lib
+  from jaxhybrid.planner.core import problem as problem_lib
   from jaxhybrid.program import lockstep
 
   g = _mlp_graph()
@@ -367,7 +367,7 @@ def _lstm_graph():
 def test_split_profiles_give_the_planner_and_lockstep_their_own_b_and_w(tmp_path, monkeypatch):
   """A split schedule's B and W come from their own timings (time_node_split), measured only
   when a split schedule may be planned, cached apart; B + W may exceed the backward."""
-  from jaxhybrid.planner import problem as problem_lib
+  from jaxhybrid.planner.core import problem as problem_lib
   from jaxhybrid.program import lockstep
 
   g = _lstm_graph()

@@ -1,4 +1,4 @@
-"""The one-machine bound over every placement (planner/placement_bound.py) against brute force."""
+"""The one-machine bound over every placement (planner/lower_bounds/placement_bound.py) against brute force."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 from planner_fbw_test import CASES, WORK, _brute_force, _tiny
 
 from jaxhybrid import planner
-from jaxhybrid.planner import fbw_search, price
-from jaxhybrid.planner import placement_bound as pb
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.pricing import price
+from jaxhybrid.planner.search import fbw_search
+from jaxhybrid.planner.lower_bounds import placement_bound as pb
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import Problem
 
 
 def _random_dag(seed: int, n: int, devices: int) -> Problem:

@@ -10,10 +10,11 @@ import pytest
 from planner_pipeline_test import EXACT
 from planner_test import _brute_force
 
-from jaxhybrid.planner import bounds, milp, relax
-from jaxhybrid.planner.options import PlannerOptions
+from jaxhybrid.planner.lower_bounds import bounds
+from jaxhybrid.planner.solvers import milp, relax
+from jaxhybrid.planner.core.options import PlannerOptions
 from jaxhybrid.planner.place import place_problem
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.core.problem import Problem
 
 
 def _chain_heavy_links(seed: int, n: int, devices: int) -> Problem:

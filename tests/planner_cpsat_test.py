@@ -1,4 +1,4 @@
-"""Tests of the CP-SAT search of pipelined placements (planner/cpsat.py, cpsat_worker.py)."""
+"""Tests of the CP-SAT search of pipelined placements (planner/solvers/cpsat.py, cpsat_worker.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from planner_bounds_test import _chain_heavy_links, _optimum_any_links, _uneven_
 from planner_test import _brute_force, _inception_like, _random_problem
 
 from jaxhybrid import planner
-from jaxhybrid.planner import cpsat
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.solvers import cpsat
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 # One thread (two subsolvers interleaved: reproducible) stopped by CP-SAT's deterministic time,
 # with a wall-clock limit far above what that takes.

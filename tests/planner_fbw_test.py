@@ -18,10 +18,12 @@ from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import planner
 from jaxhybrid.api import microbatch_spec
-from jaxhybrid.planner import fbw_milp, fbw_search, lockstep_rule, price
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import FORWARD_SHARE, Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.pricing import lockstep_rule, price
+from jaxhybrid.planner.search import fbw_search
+from jaxhybrid.planner.solvers import fbw_milp
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import FORWARD_SHARE, Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 from jaxhybrid.program import executor, lockstep
 
 # Work limits only (the time limits are safety nets far above the work).

@@ -16,11 +16,11 @@ import pytest
 from planner_test import _brute_force, _inception_like, _random_problem
 
 from jaxhybrid import planner
-from jaxhybrid.planner import cpsat, decompose, milp, relax
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.bounds import audited_bound
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.solvers import cpsat, decompose, milp, relax
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.lower_bounds.bounds import audited_bound
+from jaxhybrid.planner.core.problem import Problem
 
 # Work limits that end every phase on these tiny problems long before the (safety) time limit.
 WORK = dict(objective="makespan", time_limit_s=300.0, threads=1, cpsat_deterministic_time=5.0, milp_max_nodes=20_000,
@@ -226,7 +226,7 @@ def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkey
   # The limits each phase is given (not what it reached): the warm-start phases get at most
   # warm_start_max_s, and the lock-step search at least its kept share of the limit (measured:
   # a 3.4 s MILP build on a 0.67 s share had left it 0.05 s).
-  from jaxhybrid.planner import fbw_search
+  from jaxhybrid.planner.search import fbw_search
 
   given = _spy_on_phases(monkeypatch, _PHASES + [("lockstep", fbw_search, "search", "time_limit_s")])
   prob = _inception_like(blocks=2, devices=2, seed=3)

@@ -1,4 +1,4 @@
-"""The transfer-aware lock-step bound (planner/lockstep_bound.py) against brute force: it is never
+"""The transfer-aware lock-step bound (planner/solvers/lockstep_bound.py) against brute force: it is never
 above the lock-step price of any (placement, task order) that fits, on small problems with and
 without a link model, unequal caps and micro-batches. The solver stops by a node limit."""
 
@@ -11,10 +11,13 @@ import math
 import pytest
 
 from jaxhybrid import planner
-from jaxhybrid.planner import fbw_search, lockstep_bound, placement_bound, price
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.lower_bounds import placement_bound
+from jaxhybrid.planner.pricing import price
+from jaxhybrid.planner.search import fbw_search
+from jaxhybrid.planner.solvers import lockstep_bound
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 LIMITS = dict(time_limit_s=300.0, max_nodes=20_000)
 

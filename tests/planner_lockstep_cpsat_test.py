@@ -1,5 +1,5 @@
 """Explicit lock-step groups (TaskSchedule.groups) and the CP-SAT that chooses them
-(planner/lockstep_cpsat.py). No clock: CP-SAT runs on a deterministic time limit, one thread,
+(planner/solvers/lockstep_cpsat.py). No clock: CP-SAT runs on a deterministic time limit, one thread,
 a fixed seed; the assertions are invariants and brute-force optima."""
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ import random
 
 import pytest
 
-from jaxhybrid.planner import PlannerOptions, fbw_search, lockstep_cpsat, lockstep_order
-from jaxhybrid.planner import lockstep_rule, place_problem, price
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner import PlannerOptions
+from jaxhybrid.planner.search import fbw_search, lockstep_order
+from jaxhybrid.planner.solvers import lockstep_cpsat
+from jaxhybrid.planner import place_problem
+from jaxhybrid.planner.pricing import lockstep_rule, price
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 _DET = 1.0  # CP-SAT deterministic time of each run here
 

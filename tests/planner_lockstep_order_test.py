@@ -1,4 +1,4 @@
-"""Lock-step task orders (planner/lockstep_order.py): valid for any placement, and the search's
+"""Lock-step task orders (planner/search/lockstep_order.py): valid for any placement, and the search's
 polish uses them where they are cheaper than GPipe/1F1B/ZB-H1. No clock: evaluation limits."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from jaxhybrid.planner import fbw_search, lockstep_order, price
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.pricing import price
+from jaxhybrid.planner.search import fbw_search, lockstep_order
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import Problem
 
 
 def _random_dag(seed: int, n: int = 6, devices: int = 3) -> Problem:

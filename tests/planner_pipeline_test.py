@@ -6,10 +6,11 @@ import pytest
 from planner_test import _brute_force, _inception_like, _place, _random_problem
 
 from jaxhybrid import planner
-from jaxhybrid.planner import bounds, relax
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import bounds
+from jaxhybrid.planner.solvers import relax
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 # The relaxation solved to optimality (a node limit far above what these tiny models need, and a
 # time limit far above what that takes): the results do not depend on the machine's load.

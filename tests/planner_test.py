@@ -10,9 +10,9 @@ import types
 import pytest
 
 from jaxhybrid import planner
-from jaxhybrid.planner import milp
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.solvers import milp
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 # Every phase stops by a work limit, not the clock, so results do not depend on the machine's
 # load; the time limit is only a safety net far above what the work takes here.

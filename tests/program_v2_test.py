@@ -23,7 +23,8 @@ from program_test import (
   split_lstm,
 )
 
-from jaxhybrid.planner import lockstep_rule, task_schedule
+from jaxhybrid.planner.core import task_schedule
+from jaxhybrid.planner.pricing import lockstep_rule
 from jaxhybrid.program import executor, gradients, structure, tasks
 
 SCHEDULES = ["gpipe", "1f1b", "zb"]

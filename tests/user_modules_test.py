@@ -78,7 +78,7 @@ class Stack(nnx.Module):
 def test_bfloat16_activations_between_devices_match_the_reference(schedule):
   # bfloat16 is not a numpy float (np.issubdtype(bfloat16, np.inexact) is False): its
   # activations once got no cotangent and the first step failed in the pullback.
-  from jaxhybrid.planner import dtypes
+  from jaxhybrid.planner.core import dtypes
 
   assert dtypes.is_float(jnp.bfloat16) and dtypes.is_float("bfloat16")
   assert not dtypes.is_float(jnp.int32) and not dtypes.is_float(jnp.bool_)

@@ -227,7 +227,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     tuned.append({
       "plan_method": methods[i], "lockstep_rank": len(tuned), "predicted_step_s": cands[i].predicted_step_s,
       "plan_predicted_speedup": cands[i].predicted_speedup, "plan_single_device_s": cands[i].single_device_s,
-      # The plan's own lock-step price (planner.price: tasks and messages, no per-byte passes).
+      # The plan's own lock-step price (planner.pricing.price: tasks and messages, no per-byte passes).
       "plan_lockstep_step_s": getattr(cands[i], "lockstep_step_s", None),
       "plan_schedule_kind": getattr(getattr(cands[i], "task_schedule", None), "kind", None),
       "predicted_program_step_s": t.step_s, "predicted_program_transfer_s": t.transfer_s,
@@ -452,7 +452,7 @@ def _write(cases: list[dict]) -> None:
 def main(argv):
   del argv
   work = pathlib.Path(FLAGS.workdir)
-  from jaxhybrid.planner import lockstep_rule
+  from jaxhybrid.planner.pricing import lockstep_rule
 
   if FLAGS.lane_min_bytes >= 0:
     lockstep_rule.LANE_MIN_BYTES = FLAGS.lane_min_bytes

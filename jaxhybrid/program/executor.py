@@ -30,8 +30,8 @@ from jax import lax
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.mesh import MODEL
-from jaxhybrid.planner import dtypes
-from jaxhybrid.planner import task_schedule as sched_lib
+from jaxhybrid.planner.core import dtypes
+from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import gradients
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib

@@ -1,7 +1,7 @@
 """The hybrid program: a Plan runs as ONE jitted DP x MP train step on a (data, model) mesh.
 
 Inside one `jax.shard_map` over ('data', 'model'), the step runs a *task schedule*
-(`jaxhybrid.planner.task_schedule`: per model-axis device an ordered list of forward (F),
+(`jaxhybrid.planner.core.task_schedule`: per model-axis device an ordered list of forward (F),
 backward (B) and, for zero-bubble schedules, weight-gradient (W) tasks) in lock step
 (`jaxhybrid.program.tasks`): per group of tasks one `lax.switch(axis_index('model'), ...)` runs
 each device's own tasks (MPMD inside SPMD), then `ppermute`s carry activations forward and
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL, owned_rows_over
-from jaxhybrid.planner import task_schedule as sched_lib
+from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import (

@@ -50,8 +50,8 @@ import optax
 from jaxhybrid import costs as costs_lib
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
-from jaxhybrid.planner import task_schedule as sched_lib
-from jaxhybrid.planner.problem import FORWARD_SHARE, INPUT_GRAD_SHARE
+from jaxhybrid.planner.core import task_schedule as sched_lib
+from jaxhybrid.planner.core.problem import FORWARD_SHARE, INPUT_GRAD_SHARE
 from jaxhybrid.program import executor
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib

@@ -20,7 +20,7 @@ import numpy as np
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
-from jaxhybrid.planner import dtypes
+from jaxhybrid.planner.core import dtypes
 from jaxhybrid.program import tasks as tasks_lib
 
 

@@ -1,6 +1,6 @@
 """The static structure of a task-scheduled step: values, slots, groups, packed buffers, messages.
 
-A `TaskSchedule` (jaxhybrid.planner.task_schedule) gives each model-axis device an ordered list of
+A `TaskSchedule` (jaxhybrid.planner.core.task_schedule) gives each model-axis device an ordered list of
 F / B / W tasks. The SPMD program runs them in lock step:
 
 - *values* flow between tasks: activations ('a', var, c) made by F(producer, c); cotangent
@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from jaxhybrid import graph as graph_lib
-from jaxhybrid.planner import dtypes, lockstep_rule
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.core import dtypes
+from jaxhybrid.planner.pricing import lockstep_rule
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 END = -1  # the "group" of the final read (the loss)
 

@@ -30,7 +30,7 @@ def validate(config: Any) -> None:
   if config.hardware is not None and config.hardware not in hardware.names():
     raise errors.UsageError(
       f"--hardware={config.hardware!r} is unknown: use one of {', '.join(hardware.names())}")
-  from jaxhybrid.planner import task_schedule
+  from jaxhybrid.planner.core import task_schedule
 
   if config.schedule not in task_schedule.KINDS + ("auto",):
     raise errors.UsageError(

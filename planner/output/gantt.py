@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from jaxhybrid.planner.plan import Plan
-from jaxhybrid.planner.task_schedule import TaskSchedule, timeline
+from jaxhybrid.planner.output.plan import Plan
+from jaxhybrid.planner.core.task_schedule import TaskSchedule, timeline
 
 
 def gantt(plan: Plan, path: str | os.PathLike[str], *, max_labels: int = 60) -> None:

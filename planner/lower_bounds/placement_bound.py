@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op
 
 # Problems with more nodes are not bounded this way (every one of the 2^n node sets is priced:
 # 2^16 sets x ~1000 thresholds is ~0.5 s on one core).

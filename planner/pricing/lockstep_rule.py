@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule, _adjacency, dependencies
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule, _adjacency, dependencies
 
 # The most bytes of parameter gradients one device's tasks of one lock-step group may write
 # (assumption, named here): they leave the group's conditional together, so a larger figure

@@ -17,8 +17,8 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

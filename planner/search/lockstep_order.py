@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxhybrid.planner import placement_bound
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.lower_bounds import placement_bound
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 PRIORITIES = ("microbatch", "tail")
 # The variants `variants` generates per schedule family: (priority, limit, slack, hard_limit).

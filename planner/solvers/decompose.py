@@ -22,11 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner import milp
-from jaxhybrid.planner.heuristics import Candidate, retimed
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import bounds as bounds_lib
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.solvers import milp
+from jaxhybrid.planner.search.heuristics import Candidate, retimed
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.core.problem import Problem
 
 # Tolerance of the schedule checker, seconds (solver output is rounded to ~1e-9).
 TOLERANCE_S = 1e-7

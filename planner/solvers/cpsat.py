@@ -39,10 +39,10 @@ import sys
 import time
 from typing import Sequence
 
-from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import decompose
-from jaxhybrid.planner import heuristics as heur
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import bounds as bounds_lib
+from jaxhybrid.planner.solvers import decompose
+from jaxhybrid.planner.search import heuristics as heur
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,10 @@ from collections.abc import Sequence
 
 import mip
 
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.milp import new_model, node_limit, proven_bound, time_unit
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule, validate
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.solvers.milp import new_model, node_limit, proven_bound, time_unit
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule, validate
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 
-from jaxhybrid.planner import lockstep_order
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner import task_schedule as ts
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import TaskSchedule
+from jaxhybrid.planner.search import lockstep_order
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.core import task_schedule as ts
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import TaskSchedule
 
 log = logging.getLogger(__name__)
 

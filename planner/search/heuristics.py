@@ -24,8 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,10 +26,10 @@ from typing import Mapping, Sequence
 
 import mip
 
-from jaxhybrid.planner import bounds
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.heuristics import Candidate, retimed
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import bounds
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.search.heuristics import Candidate, retimed
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxhybrid.planner import dtypes
-from jaxhybrid.planner.options import PlannerOptions
+from jaxhybrid.planner.core import dtypes
+from jaxhybrid.planner.core.options import PlannerOptions
 
 # Share of a node's forward + backward time that is the forward, when a cost model gives only the
 # sum (assumption: the backward costs twice the forward, the usual figure for matmul-dominated

@@ -32,7 +32,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jaxhybrid.planner.problem import FORWARD_SHARE
+from jaxhybrid.planner.core.problem import FORWARD_SHARE
 
 KINDS = ("gpipe", "1f1b", "zb")
 DEFAULT_KIND = "1f1b"

@@ -45,10 +45,10 @@ from typing import Sequence
 
 import mip
 
-from jaxhybrid.planner import bounds as bounds_lib
-from jaxhybrid.planner import milp
-from jaxhybrid.planner import schedule as sched
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.lower_bounds import bounds as bounds_lib
+from jaxhybrid.planner.solvers import milp
+from jaxhybrid.planner.core import schedule as sched
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxhybrid.planner import lockstep_rule
-from jaxhybrid.planner import price as price_lib
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.pricing import lockstep_rule
+from jaxhybrid.planner.pricing import price as price_lib
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 log = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ from collections.abc import Sequence
 import mip
 import numpy as np
 
-from jaxhybrid.planner import milp
-from jaxhybrid.planner import placement_bound
-from jaxhybrid.planner.problem import Problem
+from jaxhybrid.planner.solvers import milp
+from jaxhybrid.planner.lower_bounds import placement_bound
+from jaxhybrid.planner.core.problem import Problem
 
 log = logging.getLogger(__name__)
 

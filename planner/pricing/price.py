@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from jaxhybrid.planner import lockstep_rule
-from jaxhybrid.planner.problem import Problem
-from jaxhybrid.planner.task_schedule import Op, TaskSchedule
+from jaxhybrid.planner.pricing import lockstep_rule
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

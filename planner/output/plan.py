@@ -8,8 +8,8 @@ import os
 import types
 from typing import Any, Mapping
 
-from jaxhybrid.planner.schedule import Task, Transfer
-from jaxhybrid.planner.task_schedule import TaskSchedule
+from jaxhybrid.planner.core.schedule import Task, Transfer
+from jaxhybrid.planner.core.task_schedule import TaskSchedule
 
 # 2: adds `task_schedule` (the F/B/W tasks the program runs). Version-1 plans still load; their
 # program runs GPipe (all forwards, then all backwards), which is what version-1 programs ran.
