@@ -113,7 +113,10 @@ def headline() -> str:
   for key, what in (("chain_1x8_over_1x1", "uniform chain, memory per device 1x8 over 1x1"),
                     ("biglstm:paper_1x8_over_fsdp", "paper BigLSTM 1x8, memory over FSDP's"),
                     ("chain_1x4_1f1b_temp_k16_over_k4_fixed_microbatch",
-                     "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)")):
+                     "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)"),
+                    ("biglstm:paper_16x2_zero1_over_zero0",
+                     "paper BigLSTM 16x2, memory with the optimizer state sharded over the data "
+                     "axis (`--zero=1`) over without")):
     if key in mem:
       rows.append(f"| {what} | {mem[key]:.2f} | {_source('bench_memory.json')} |")
   if "prediction_error_max" in mem:
