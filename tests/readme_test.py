@@ -1,15 +1,20 @@
 """The README's code blocks run as written: the quick start and the pieces on a stand-in module,
-and every run.py command names only flags run.py defines. Its install and test commands are what
-.ci/run runs."""
+the command-line examples in a fresh folder, and every run.py command names only flags run.py
+defines. Its install, test and main commands are what .ci/run runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import subprocess_env
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,3 +76,20 @@ def test_every_run_command_uses_defined_flags():
   for line in commands:
     for flag in re.findall(r"--(\w+)", line.split("#")[0]):
       assert flag in defined, f"README's {line!r} uses --{flag}, which run.py does not define"
+
+
+def test_the_command_line_block_runs_as_written(tmp_path):
+  """The README's command-line examples, in order, in a fresh folder: a run, its resume to more
+  steps, and the paper-size fit check (each exit status 0)."""
+  block = next(b for b in _blocks("bash") if "--resume" in b)
+  commands = [ln.split("#")[0].strip() for ln in block.splitlines() if "experiments/run.py" in ln]
+  assert len(commands) == 3
+  run_py = os.path.join(ROOT, "experiments", "run.py")
+  for cmd in commands:
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["python", "experiments/run.py"], cmd
+    proc = subprocess.run([sys.executable, run_py, *argv[2:]], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stderr[-2000:]}"
+  steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "a" / "metrics.jsonl").open()]
+  assert steps[-1] == 30 and len(steps) == len(set(steps)), steps[-5:]

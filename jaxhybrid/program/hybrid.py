@@ -47,6 +47,7 @@ from jaxhybrid.program.structure import (
   ParamLayout,
   TrainState,
   param_layout,
+  row_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -90,18 +91,34 @@ ZERO_STAGES = (0, 1)
 def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, sq_worker, W):
   """The step's tail under ZeRO stage 1, inside shard_map: each data replica reduce-scatters
   the gradient rows (its slice, averaged over 'data'), updates its slice of the parameters with
-  its slice of the optimizer state, and all-gathers the updated rows."""
+  its slice of the optimizer state, and all-gathers the updated rows.
+
+  One reduce-scatter and one all-gather per dtype, not per row: each row of the dtype is viewed
+  as [W, n/W], the rows are laid side by side as one [W, S] buffer (a copy of the flat gradient
+  buffer) and scattered over its first axis. Per row, the collectives cost their latency each;
+  over gloo on 2 CPU processes that made GNMT-small's 2x1 step 24 % slower than the all-reduce of
+  the flat buffer.
+  """
   g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
   g_rows = gradients.cut_rows(prog.layout, g_owned)
   r = lax.axis_index(DATA)
+  by_dtype: dict[str, list[str]] = {}
+  for key, _ in prog.layout.sizes:
+    by_dtype.setdefault(row_dtype(key), []).append(key)
   g_mine, p_mine = {}, {}
-  for key, g in g_rows.items():
-    n = g.shape[0] // W
-    # The row's slice of replica r, summed over replicas, then averaged like pmean.
-    if W > 1:
-      g = lax.psum_scatter(g, DATA, scatter_dimension=0, tiled=True) / W
-    g_mine[key] = g[None]
-    p_mine[key] = lax.dynamic_slice_in_dim(params["owned"][key], r * n, n, axis=1)
+  for keys in by_dtype.values():
+    parts = [g_rows[k].reshape(W, -1) for k in keys]
+    if W > 1:  # the replicas' slices of every row, summed, then averaged like pmean
+      mine = lax.psum_scatter(jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0],
+                              DATA, scatter_dimension=0, tiled=False) / W
+    else:
+      mine = jnp.concatenate(parts, axis=1)[0] if len(parts) > 1 else parts[0][0]
+    at = 0
+    for k, part in zip(keys, parts):
+      n = part.shape[1]
+      g_mine[k] = lax.slice_in_dim(mine, at, at + n)[None] if len(keys) > 1 else mine[None]
+      p_mine[k] = lax.dynamic_slice_in_dim(params["owned"][k], r * n, n, axis=1)
+      at += n
   # |g|^2 at the global batch: the slices over both axes, plus the (replicated) shared leaves.
   sq_global = lax.psum(_sq(g_mine), (MODEL, DATA)) + _sq(g_shared)
   grads = {"owned": g_mine, "shared": g_shared}
@@ -109,10 +126,17 @@ def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, 
   with owned_rows_over((MODEL, DATA)):  # global norms see every slice
     updates, opt_state = prog.optimizer.update(grads, opt_state, mine)
   mine = optax.apply_updates(mine, updates)
-  owned = {
-    key: lax.all_gather(x, DATA, axis=1, tiled=True) if W > 1 else x
-    for key, x in mine["owned"].items()
-  }
+  owned = {}
+  for keys in by_dtype.values():
+    slices = [mine["owned"][k][0] for k in keys]
+    flat = jnp.concatenate(slices) if len(slices) > 1 else slices[0]
+    full = lax.all_gather(flat, DATA, axis=0, tiled=False) if W > 1 else flat[None]  # [W, S]
+    at = 0
+    for k, x in zip(keys, slices):
+      n = x.shape[0]
+      part = full[:, at:at + n] if len(keys) > 1 else full
+      owned[k] = part.reshape(1, W * n)
+      at += n
   return {"owned": owned, "shared": mine["shared"]}, opt_state, loss, (sq_worker, sq_global)
 
 

@@ -192,13 +192,34 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
       g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
       u, o = optimizer.update(g, o, p)
       return optax.apply_updates(p, u), o, sq
-    g = {"owned": {r: (x.reshape(W, -1).sum(0) / W)[None] for r, x in rows.items()},
-         "shared": g["shared"]}
-    mine = {"owned": {r: x[:, : x.shape[1] // W] for r, x in p["owned"].items()},
-            "shared": p["shared"]}
+    # As hybrid._zero_tail: per dtype the rows side by side as one [W, S] buffer, its sum over
+    # the W parts (the reduce-scatter's output), the update on the slices, the slices side by
+    # side repeated W times (the all-gather's output) and cut back into rows.
+    by_dtype: dict[str, list[str]] = {}
+    for r, _ in layout.sizes:
+      by_dtype.setdefault(row_dtype(r), []).append(r)
+    g_mine, p_mine = {}, {}
+    for keys in by_dtype.values():
+      stacked = jnp.concatenate([rows[r].reshape(W, -1) for r in keys], axis=1)
+      mine = stacked.sum(0) / W
+      at = 0
+      for r in keys:
+        n = rows[r].shape[0] // W
+        g_mine[r] = mine[at:at + n][None]
+        p_mine[r] = p["owned"][r][:, :n]
+        at += n
+    g = {"owned": g_mine, "shared": g["shared"]}
+    mine = {"owned": p_mine, "shared": p["shared"]}
     u, o = optimizer.update(g, o, mine)
     mine = optax.apply_updates(mine, u)
-    owned = {r: jnp.tile(x, (1, W)) for r, x in mine["owned"].items()}
+    owned = {}
+    for keys in by_dtype.values():
+      full = jnp.tile(jnp.concatenate([mine["owned"][r][0] for r in keys])[None], (W, 1))
+      at = 0
+      for r in keys:
+        n = mine["owned"][r].shape[1]
+        owned[r] = full[:, at:at + n].reshape(1, W * n)
+        at += n
     return {"owned": owned, "shared": mine["shared"]}, o, sq
 
   start = jax.ShapeDtypeStruct((), np.int32)

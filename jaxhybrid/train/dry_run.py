@@ -109,7 +109,9 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
   return (f"does not fit: model-axis device(s) {', '.join(map(str, over))} need "
           f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB; try more model devices "
           f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch}) or more --microbatches "
-          f"(now {config.microbatches})")
+          f"(now {config.microbatches})"
+          + (", or --zero=1 (optimizer state sharded over the data replicas)"
+             if data > 1 and not getattr(config, "zero", 0) else ""))
 
 
 def _plan_memory(plan: Any, report: Any) -> dict[str, Any]:

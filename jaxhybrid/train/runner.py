@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 # The optimizer when neither --optimizer nor the paper (at --size=paper) names one.
 DEFAULT_OPTIMIZER = "adam"
-# ZeRO stage of the main job (see RunConfig.zero): stage 1 divides the rows' optimizer state by
-# the data width; with one data replica it is the same program as stage 0.
-DEFAULT_ZERO = 1
+# ZeRO stage of the main job (see RunConfig.zero). Stage 1 divides the rows' optimizer state by
+# the data width (paper BigLSTM 16x2: 0.78x the memory per device, paper GNMT 8x2: 0.91x;
+# bench_memory.json) but its step was 3-24 % slower on 2 one-core processes with gloo
+# collectives at 2x1 (bench_mp.json, zero1_step_ratio_2x1), so it is chosen when memory binds:
+# --dry_run's advice names it.
+DEFAULT_ZERO = 0
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
                      "optimizer", "learning_rate", "clip_norm", "schedule", "zero")
