@@ -8,12 +8,6 @@ solvers (`planner.solvers.relax`, `planner.solvers.lockstep_bound`): they build 
 May import: `planner.core`, `planner.pricing`.
 """
 
+from jaxhybrid.planner.core.lazy import submodules
 
-def __getattr__(name: str):
-  """Loads a module of this layer on first attribute access (`planner.core.problem`)."""
-  import importlib
-  import importlib.util
-
-  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-    return importlib.import_module(f"{__name__}.{name}")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodules(__name__)

@@ -6,12 +6,6 @@ summary) and `gantt` (a chart of a plan's schedule, matplotlib with the Agg back
 May import: `planner.core`.
 """
 
+from jaxhybrid.planner.core.lazy import submodules
 
-def __getattr__(name: str):
-  """Loads a module of this layer on first attribute access (`planner.core.problem`)."""
-  import importlib
-  import importlib.util
-
-  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-    return importlib.import_module(f"{__name__}.{name}")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodules(__name__)

@@ -9,12 +9,6 @@ bounds that are MILP relaxations built on `milp`'s model (`relax`, `lockstep_bou
 May import: `planner.core`, `planner.pricing`, `planner.lower_bounds`, `planner.search`.
 """
 
+from jaxhybrid.planner.core.lazy import submodules
 
-def __getattr__(name: str):
-  """Loads a module of this layer on first attribute access (`planner.core.problem`)."""
-  import importlib
-  import importlib.util
-
-  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-    return importlib.import_module(f"{__name__}.{name}")
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodules(__name__)
