@@ -236,8 +236,8 @@ def parallelize(
       tree is cut from the top towards `max_nodes` nodes (lists of layers become one node per
       layer); `depth=d` asks for a uniform cut at d module-path components instead.
     remat: node names to rematerialise.
-    program_options: extra `HybridProgram.build` arguments (canonical_convs, pack_max_bytes,
-      branch_remat).
+    program_options: extra `HybridProgram.build` arguments (schedule, zero, canonical_convs,
+      pack_max_bytes, branch_remat); e.g. `{"zero": 1}` shards the optimizer state over 'data'.
     shared_batch_keys: names (last key of the leaf's path) of batch leaves that every example
       shares, passed whole to every worker and micro-batch: a leaf is split as per-example when
       its leading dimension equals the global batch and its name is not here (e.g. a per-class
