@@ -53,6 +53,7 @@ def bench_mp(name: str = "bench_mp.json") -> str:
     ("vs DP bucketed", lambda r: _x(r.get("ratio_vs_dp_bucketed"))),
     ("vs GSPMD TP", lambda r: _x(r.get("ratio_vs_gspmd_tp"))),
     ("step error (mean)", lambda r: _pct(r.get("step_prediction_error_mean"))),
+    ("2x1 step, ZeRO 1 over 0", lambda r: _x(r.get("zero1_step_ratio_2x1"))),
   ])
 
 
