@@ -53,5 +53,9 @@ def test_every_module_lives_in_a_layer_and_flat_names_still_resolve():
   assert top == {"place", "place_lockstep"}, top
   for flat, layer in planner._LAYER_OF.items():  # noqa: SLF001
     assert (PLANNER / layer / f"{flat}.py").exists(), (flat, layer)
+    if flat.endswith("_worker"):
+      # Solver child processes run as scripts: importing OR-Tools beside python-mip's CBC in one
+      # process fails (clashing CBC symbols), which is why they are child processes.
+      continue
     assert importlib.import_module(f"jaxhybrid.planner.{flat}") is importlib.import_module(
       f"jaxhybrid.planner.{layer}.{flat}")
