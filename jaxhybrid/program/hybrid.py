@@ -47,7 +47,7 @@ from jaxhybrid.program.structure import (
   ParamLayout,
   TrainState,
   param_layout,
-  row_dtype,
+  rows_by_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,7 @@ def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, 
   g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
   g_rows = gradients.cut_rows(prog.layout, g_owned)
   r = lax.axis_index(DATA)
-  by_dtype: dict[str, list[str]] = {}
-  for key, _ in prog.layout.sizes:
-    by_dtype.setdefault(row_dtype(key), []).append(key)
+  by_dtype = rows_by_dtype(prog.layout.sizes)
   g_mine, p_mine = {}, {}
   for keys in by_dtype.values():
     parts = [g_rows[k].reshape(W, -1) for k in keys]

@@ -44,7 +44,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.program import gradients, node_calls
 from jaxhybrid.program import tasks as tasks_lib
-from jaxhybrid.program.structure import TrainState, row_dtype
+from jaxhybrid.program.structure import TrainState, row_dtype, rows_by_dtype
 
 GiB = 2**30
 
@@ -195,9 +195,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     # As hybrid._zero_tail: per dtype the rows side by side as one [W, S] buffer, its sum over
     # the W parts (the reduce-scatter's output), the update on the slices, the slices side by
     # side repeated W times (the all-gather's output) and cut back into rows.
-    by_dtype: dict[str, list[str]] = {}
-    for r, _ in layout.sizes:
-      by_dtype.setdefault(row_dtype(r), []).append(r)
+    by_dtype = rows_by_dtype(layout.sizes)
     g_mine, p_mine = {}, {}
     for keys in by_dtype.values():
       stacked = jnp.concatenate([rows[r].reshape(W, -1) for r in keys], axis=1)

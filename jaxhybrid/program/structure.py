@@ -43,6 +43,15 @@ def row_dtype(row: str) -> str:
   return row.split("#", 1)[0]
 
 
+def rows_by_dtype(sizes) -> dict[str, list[str]]:
+  """Row keys grouped by dtype, each group in `ParamLayout.sizes` order (the order the rows of a
+  dtype lie side by side in the flat gradient buffer)."""
+  out: dict[str, list[str]] = {}
+  for key, _ in sizes:
+    out.setdefault(row_dtype(key), []).append(key)
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
   """Where each flat parameter leaf lives.
