@@ -100,6 +100,7 @@ class OpGraph:
     param_paths, state_paths, batch_paths: key paths of the flattened inputs.
     param_treedef, state_treedef, batch_treedef: tree structures to rebuild the inputs.
     depth: module-path depth of a uniform cut, or None for the cut refined to `max_nodes`.
+    param_split, shards: the leaves split by `jaxhybrid.graph.shard` (empty: none).
   """
 
   nodes: list[Node]
@@ -113,6 +114,10 @@ class OpGraph:
   state_treedef: Any
   batch_treedef: Any
   depth: int | None
+  # Per graph parameter leaf, (user leaf, axis, start, stop) of the piece it is, axis -1 for a
+  # whole leaf; () when no leaf is split (`jaxhybrid.graph.shard`).
+  param_split: tuple[tuple[int, int, int, int], ...] = ()
+  shards: tuple[Any, ...] = ()  # shard.LeafShard per split leaf
 
   # ---- derived views ------------------------------------------------------------------------
   @property

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhybrid import graph as graph_lib
+from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL, owned_rows_over
 from jaxhybrid.planner.core import task_schedule as sched_lib
@@ -281,10 +282,12 @@ class HybridProgram:
 
   # ---- parameter packing ----------------------------------------------------------------------
   def pack(self, leaves: Sequence[Any]) -> dict[str, Any]:
-    """Flat parameter leaves (graph order) -> {'owned': {dtype: [M, size]}, 'shared': [...]}.
+    """The user's flat parameter leaves -> {'owned': {dtype: [M, size]}, 'shared': [...]}.
 
-    Built on the host with numpy (`param_rows.pack`); use for models that fit in host memory.
+    A leaf the graph splits (`jaxhybrid.graph.shard`) is cut into its pieces here. Built on the
+    host with numpy (`param_rows.pack`); use for models that fit in host memory.
     """
+    leaves = shard_lib.split_leaves(self.graph, list(leaves))
     rows = param_rows.pack(self.layout, leaves)
     return {
       "owned": {dt: _global(r, NamedSharding(self.mesh, P(MODEL, None))) for dt, r in rows.items()},
@@ -292,9 +295,10 @@ class HybridProgram:
     }
 
   def unpack(self, params: dict[str, Any]) -> list[np.ndarray]:
-    """The inverse of `pack`: flat parameter leaves in graph order (on the host)."""
+    """The inverse of `pack`: the user's flat parameter leaves (on the host)."""
     rows = {dt: _host(r) for dt, r in params["owned"].items()}
-    return param_rows.unpack(self.layout, rows, [_host(x) for x in params["shared"]])
+    return shard_lib.join_leaves(
+      self.graph, param_rows.unpack(self.layout, rows, [_host(x) for x in params["shared"]]))
 
   def _param_specs(self) -> dict[str, Any]:
     return {

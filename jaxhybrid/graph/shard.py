@@ -1,0 +1,525 @@
+"""Shard options: a large parameter leaf split into one piece per model-axis device.
+
+A node is placed whole on one device, so its largest parameter caps memory and leaves the other
+devices idle while it runs (paper BigLSTM: two 3.2 GB vocabulary tables, one node each). A *shard
+rewrite* turns such a leaf into M pieces along one axis and the node that reads it into
+
+- a *pre* node: the node's equations the leaf's readers depend on (absent when they read only
+  graph inputs or other nodes' outputs);
+- M *shard* nodes: shard d runs every reader of the leaf on piece d alone and yields a partial
+  result;
+- the *post* node (the node's name): combines the partials into the readers' outputs and runs the
+  rest of the node.
+
+The rewritten graph is an ordinary op graph: the planner places each shard node like any other
+node, so ONE placement problem chooses between keeping a leaf whole (every shard on one device)
+and sharding it (shards on different devices: each device stores and updates 1/M of the leaf and
+runs 1/M of its readers' work; the partials travel to the post node as activations do). The
+program, memory model and price need nothing new.
+
+Rules (`RULES`), decided per reader equation from the jaxpr:
+
+- ``lookup``: a `gather` of rows of the leaf (an embedding lookup, `jnp.take(table, ids, axis=0)`,
+  the rows a sampled softmax reads). Piece d holds rows [lo_d, hi_d); shard d gathers the ids in
+  its range (others masked to zero) and the post node sums the M partials, exactly (one term is
+  the row, the others are zeros). The gradient of a piece is the scatter-add of its own rows.
+- ``column``: a `dot_general` with the leaf as one operand, split along one of its free
+  (non-contracting, non-batch) dimensions (a dense layer's output units, a vocabulary
+  projection's words). Shard d computes its slice of the output; the post node concatenates.
+
+All readers of a leaf must sit in one node and agree on the split axis (a table both looked up
+and used as the output projection, split along the vocabulary, qualifies). A leaf read any other
+way is not offered (`ShardReport.skipped` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax import lax
+
+from jaxhybrid.graph.eqn_costs import aval_bytes
+from jaxhybrid.graph.opgraph import PARAM, Node, OpGraph, _edges, _wire
+
+RULES = ("lookup", "column")
+# Assumption (named here): a leaf is offered for sharding when it holds at least this fraction of
+# the model's parameter bytes. Smaller leaves leave little memory to balance, and every offered
+# leaf adds M + 1 nodes to the placement problem. Paper BigLSTM's two tables are 46 % each; GNMT's
+# embeddings and softmax 11-16 %; no Inception-V3 leaf reaches it.
+SHARD_MIN_FRACTION = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafShard:
+  """One user parameter leaf split into pieces along `axis` at `bounds` (M + 1 offsets)."""
+
+  leaf: int  # index among the user's flat parameter leaves
+  path: str
+  rule: str  # 'lookup', 'column' or 'lookup+column'
+  axis: int
+  bounds: tuple[int, ...]
+  node: str  # the node whose readers were rewritten
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self) | {"bounds": list(self.bounds)}
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> LeafShard:
+    return cls(leaf=int(d["leaf"]), path=str(d["path"]), rule=str(d["rule"]), axis=int(d["axis"]),
+               bounds=tuple(int(b) for b in d["bounds"]), node=str(d["node"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardReport:
+  """What a rewrite did: the leaves split and, per leaf not split, why."""
+
+  shards: tuple[LeafShard, ...]
+  skipped: tuple[tuple[str, str], ...]  # (leaf path, reason)
+
+
+def _fresh(v: Any) -> Any:
+  return jex.core.Var(v.aval)
+
+
+def _is_jit(eqn: Any) -> bool:
+  return eqn.primitive.name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params
+
+
+def _inline(eqns: Sequence[Any], want: set[Any]) -> tuple[list[Any], dict[Any, Any]]:
+  """`eqns` with every jit equation that reads a variable of `want` replaced by its body (fresh
+  variables inside), repeatedly, so the readers of `want` are primitive equations. Returns the
+  equations and the aliases: each removed jit output -> the value that now stands for it."""
+  alias: dict[Any, Any] = {}
+
+  def sub_all(e):
+    if not alias:
+      return e
+    return e.replace(invars=[alias.get(v, v) if isinstance(v, jex.core.Var) else v
+                             for v in e.invars])
+
+  def walk(seq):
+    out = []
+    for e in seq:
+      e = sub_all(e)
+      closed = e.params.get("jaxpr") if _is_jit(e) else None
+      inner = getattr(closed, "jaxpr", closed)
+      if (closed is None or not any(v in want for v in e.invars if isinstance(v, jex.core.Var))
+          or inner.constvars or getattr(closed, "consts", ())):
+        out.append(e)  # not a reader (or a body with constants: it stays whole)
+        continue
+      sub: dict[Any, Any] = dict(zip(inner.invars, e.invars))
+      body = []
+      for ie in inner.eqns:
+        ins = [sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in ie.invars]
+        outs = []
+        for v in ie.outvars:
+          if isinstance(v, jex.core.DropVar):
+            outs.append(v)
+          else:
+            sub[v] = nv = _fresh(v)
+            outs.append(nv)
+        body.append(ie.replace(invars=ins, outvars=outs))
+      out.extend(walk(body))
+      for ov, iv in zip(e.outvars, inner.outvars):
+        if not isinstance(ov, jex.core.DropVar):
+          alias[ov] = sub.get(iv, iv) if isinstance(iv, jex.core.Var) else iv
+    return out
+
+  return walk(list(eqns)), alias
+
+
+def _reader_axis(eqn: Any, v: Any) -> tuple[str | None, int | None, str]:
+  """(rule, axis of the leaf, reason) for one equation reading leaf variable `v`."""
+  name = eqn.primitive.name
+  if name == "gather":
+    if eqn.invars[0] is not v or eqn.invars[1] is v:
+      return None, None, "a gather reads it as indices"
+    dn = eqn.params["dimension_numbers"]
+    if (tuple(dn.start_index_map) != (0,) or 0 not in tuple(dn.collapsed_slice_dims)
+        or tuple(dn.operand_batching_dims)):
+      return None, None, "a gather that is not a lookup of rows (axis 0)"
+    return "lookup", 0, ""
+  if name == "dot_general":
+    if eqn.invars[0] is v and eqn.invars[1] is v:
+      return None, None, "a dot_general of the leaf with itself"
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    side = 0 if eqn.invars[0] is v else 1
+    contract, batch = (lc, lb) if side == 0 else (rc, rb)
+    free = [i for i in range(len(v.aval.shape)) if i not in contract and i not in batch]
+    if not free:
+      return None, None, "a dot_general with no free dimension of the leaf"
+    return "column", max(free, key=lambda i: (v.aval.shape[i], -i)), ""
+  return None, None, f"read by {name}"
+
+
+def _dot_out_dim(eqn: Any, v: Any, axis: int) -> int:
+  """Position, in a dot_general's output, of the leaf's free dimension `axis`."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  ls, rs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  lfree = [i for i in range(len(ls)) if i not in lc and i not in lb]
+  rfree = [i for i in range(len(rs)) if i not in rc and i not in rb]
+  if eqn.invars[0] is v:
+    return len(lb) + lfree.index(axis)
+  return len(lb) + len(lfree) + rfree.index(axis)
+
+
+def _splice(closed: Any, ins: Sequence[Any], outs: Sequence[Any] | None = None) -> tuple[list, list]:
+  """The equations of a freshly traced jaxpr with its inputs read from `ins` (and its outputs
+  written to `outs` when given); returns (equations, output variables)."""
+  jaxpr = closed.jaxpr
+  if jaxpr.constvars or closed.consts:
+    raise RuntimeError("internal: a shard rewrite traced a constant")
+  sub = dict(zip(jaxpr.invars, ins))
+  if outs is not None:
+    for ov, target in zip(jaxpr.outvars, outs):
+      if ov in sub or not isinstance(ov, jex.core.Var):
+        raise RuntimeError("internal: a shard rewrite's output is one of its inputs")
+      sub[ov] = target
+  eqns = []
+  for e in jaxpr.eqns:
+    eqns.append(e.replace(
+      invars=[sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in e.invars],
+      outvars=[sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in e.outvars],
+    ))
+  return eqns, [sub.get(v, v) for v in jaxpr.outvars]
+
+
+def _lookup_partial(eqn: Any, lo: int, hi: int, rows: int, first: bool):
+  """A function (piece, indices) -> the gather's result restricted to rows [lo, hi), zeros for
+  ids outside (and, on the first piece, the gather's fill for ids outside the whole table)."""
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  mode = p["mode"]
+  out_aval = eqn.outvars[0].aval
+  batch_dims = tuple(i for i in range(len(out_aval.shape)) if i not in tuple(dn.offset_dims))
+  fill_mode = "FILL" in str(mode)
+
+  def f(piece, idx):
+    if not fill_mode:  # clip (or promised in bounds): the id the whole table would read
+      idx = lax.clamp(np.asarray(0, idx.dtype), idx, np.asarray(rows - 1, idx.dtype))
+    local = idx - np.asarray(lo, idx.dtype)
+    inside = (local >= 0) & (local < hi - lo)
+    inside = inside[..., 0]
+    got = lax.gather(
+      piece, lax.clamp(np.asarray(0, idx.dtype), local, np.asarray(hi - lo - 1, idx.dtype)),
+      dimension_numbers=dn, slice_sizes=(1,) + tuple(p["slice_sizes"][1:]),
+      indices_are_sorted=p["indices_are_sorted"], unique_indices=p["unique_indices"],
+      mode=lax.GatherScatterMode.CLIP,
+    )
+    zero = lax.full_like(got, 0)
+    mask = lax.broadcast_in_dim(inside, got.shape, batch_dims)
+    out = lax.select(mask, got, zero)
+    if fill_mode and first:
+      outside = ((idx < 0) | (idx > rows - 1))[..., 0]
+      fv = p["fill_value"]
+      if fv is None:
+        fv = np.nan if np.issubdtype(np.dtype(got.dtype), np.inexact) else 0
+      out = lax.select(lax.broadcast_in_dim(outside, got.shape, batch_dims),
+                       lax.full_like(got, fv), out)
+    return out
+
+  return f
+
+
+def _split_bounds(size: int, m: int) -> tuple[int, ...]:
+  return tuple((d * size) // m for d in range(m + 1))
+
+
+def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str], path: str,
+                  user_leaf: int) -> tuple[OpGraph, LeafShard] | str:
+  """The graph with one leaf split, or the reason it cannot be."""
+  owners = [n for n in g.nodes if any(v is leaf_var for e in n.eqns for v in e.invars)]
+  if len(owners) != 1:
+    return f"read by {len(owners)} nodes"
+  node = owners[0]
+  eqns, alias = _inline(node.eqns, {leaf_var})
+  readers = [i for i, e in enumerate(eqns) if any(v is leaf_var for v in e.invars)]
+  kinds = []
+  for i in readers:
+    rule, axis, why = _reader_axis(eqns[i], leaf_var)
+    if rule is None:
+      return why
+    if rule not in rules:
+      return f"rule {rule} not offered"
+    kinds.append((rule, axis))
+  axes = {a for r, a in kinds if r == "lookup"}
+  if axes:
+    axis = 0
+    for (r, a), i in zip(kinds, readers):
+      if r == "column":
+        # a column reader must be able to split on axis 0 too
+        (lc, rc), (lb, rb) = eqns[i].params["dimension_numbers"]
+        contract, batch = (lc, lb) if eqns[i].invars[0] is leaf_var else (rc, rb)
+        if 0 in contract or 0 in batch:
+          return "looked up by rows and contracted over them"
+  else:
+    cand = None
+    for (r, a), i in zip(kinds, readers):
+      (lc, rc), (lb, rb) = eqns[i].params["dimension_numbers"]
+      contract, batch = (lc, lb) if eqns[i].invars[0] is leaf_var else (rc, rb)
+      free = {j for j in range(len(leaf_var.aval.shape)) if j not in contract and j not in batch}
+      cand = free if cand is None else cand & free
+    if not cand:
+      return "its readers share no free dimension"
+    axis = max(cand, key=lambda j: (leaf_var.aval.shape[j], -j))
+  size = leaf_var.aval.shape[axis]
+  if size < devices:
+    return f"dimension {axis} ({size}) is shorter than the {devices} devices"
+  rule_name = "+".join(sorted({r for r, _ in kinds}))
+  bounds = _split_bounds(size, devices)
+  reader_set = set(readers)
+
+  # pre: the node's equations the readers depend on (besides the leaf).
+  made = {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      made[v] = i
+  pre: set[int] = set()
+  stack = [v for i in readers for v in eqns[i].invars if isinstance(v, jex.core.Var)]
+  while stack:
+    v = stack.pop()
+    i = made.get(v)
+    if i is None or i in pre:
+      continue
+    if i in reader_set:
+      return "a reader reads another reader's output"
+    pre.add(i)
+    stack.extend(u for u in eqns[i].invars if isinstance(u, jex.core.Var))
+
+  pieces = []
+  for d in range(devices):
+    shape = list(leaf_var.aval.shape)
+    shape[axis] = bounds[d + 1] - bounds[d]
+    pieces.append(jex.core.Var(leaf_var.aval.update(shape=tuple(shape))))
+
+  shard_eqns: list[list[Any]] = [[] for _ in range(devices)]
+  combine: list[Any] = []
+  for i in readers:
+    e = eqns[i]
+    partials = []
+    for d in range(devices):
+      lo, hi = bounds[d], bounds[d + 1]
+      if e.primitive.name == "gather":
+        fn = _lookup_partial(e, lo, hi, size, first=(d == 0))
+        idx = e.invars[1]
+        closed = jax.make_jaxpr(fn)(
+          jax.ShapeDtypeStruct(pieces[d].aval.shape, pieces[d].aval.dtype),
+          jax.ShapeDtypeStruct(idx.aval.shape, idx.aval.dtype))
+        body, outs = _splice(closed, [pieces[d], idx])
+        shard_eqns[d].extend(body)
+        partials.append(outs[0])
+      else:
+        out = e.outvars[0]
+        dim = _dot_out_dim(e, leaf_var, axis)
+        shape = list(out.aval.shape)
+        shape[dim] = hi - lo
+        pv = jex.core.Var(out.aval.update(shape=tuple(shape)))
+        shard_eqns[d].append(e.replace(
+          invars=[pieces[d] if v is leaf_var else v for v in e.invars], outvars=[pv]))
+        partials.append(pv)
+    out = e.outvars[0]
+    avals = [jax.ShapeDtypeStruct(p.aval.shape, p.aval.dtype) for p in partials]
+    if e.primitive.name == "gather":
+      closed = jax.make_jaxpr(lambda *ps: _sum(ps))(*avals)
+    else:
+      dim = _dot_out_dim(e, leaf_var, axis)
+      closed = jax.make_jaxpr(lambda *ps, dim=dim: lax.concatenate(list(ps), dim))(*avals)
+    body, _ = _splice(closed, partials, [out])
+    combine.extend(body)
+
+  pre_eqns = [e for i, e in enumerate(eqns) if i in pre]
+  post_eqns = combine + [e for i, e in enumerate(eqns) if i not in pre and i not in reader_set]
+  base = f"{node.name}/shard"
+  if any(n.name.startswith(base) for n in g.nodes):  # a second leaf of the same node
+    keys = [k for k in path.replace('"', "'").split("'") if k.strip("[].") and k != ".value"]
+    base = f"{node.name}/{keys[-1] if keys else path}.shard"
+  new_nodes: list[Node] = []
+  for n in g.nodes:
+    if n is not node:
+      new_nodes.append(Node(id=0, name=n.name, eqns=list(n.eqns)))
+      continue
+    if pre_eqns:
+      new_nodes.append(Node(id=0, name=f"{n.name}/pre", eqns=pre_eqns))
+    for d in range(devices):
+      new_nodes.append(Node(id=0, name=f"{base}{d}", eqns=shard_eqns[d]))
+    new_nodes.append(Node(id=0, name=n.name, eqns=post_eqns))
+  if alias:  # later nodes read a jit's output that is now an inner value
+    for n in new_nodes:
+      n.eqns = [e.replace(invars=[alias.get(v, v) if isinstance(v, jex.core.Var) else v
+                                  for v in e.invars]) for e in n.eqns]
+  for i, n in enumerate(new_nodes):
+    n.id = i
+
+  jaxpr = g.jaxpr
+  invars, kinds_new = [], []
+  p = 0
+  for v, (k, idx) in zip(jaxpr.invars, g.input_kinds):
+    if v is leaf_var:
+      for pv in pieces:
+        invars.append(pv)
+        kinds_new.append((PARAM, p))
+        p += 1
+    elif k == PARAM:
+      invars.append(v)
+      kinds_new.append((PARAM, p))
+      p += 1
+    else:
+      invars.append(v)
+      kinds_new.append((k, idx))
+  outvars = [alias.get(v, v) if isinstance(v, jex.core.Var) else v for v in jaxpr.outvars]
+  all_eqns = [e for n in new_nodes for e in n.eqns]
+  debug = jex.core.DebugInfo(
+    "jaxhybrid sharded loss", "loss", tuple(f"in{i}" for i in range(len(invars))),
+    tuple(f"out{i}" for i in range(len(outvars))),
+  )
+  new_jaxpr = jex.core.Jaxpr(
+    constvars=list(jaxpr.constvars), invars=invars, outvars=outvars, eqns=all_eqns,
+    effects=jaxpr.effects, debug_info=debug,
+  )
+  jex.core.check_jaxpr(new_jaxpr)
+  closed = jex.core.ClosedJaxpr(new_jaxpr, list(g.closed_jaxpr.consts))
+  _wire(new_nodes, new_jaxpr, tuple(kinds_new))
+  # The graph's leaf pieces: which user leaf (and slice) each graph parameter leaf is.
+  old = list(g.param_split) if g.param_split else [
+    (i, -1, 0, 0) for i in range(len(g.param_avals))]
+  old_leaf = [i for i, (v, (k, _)) in enumerate(
+    (v, kk) for v, kk in zip(jaxpr.invars, g.input_kinds) if kk[0] == PARAM) if v is leaf_var]
+  j = old_leaf[0]
+  split = old[:j] + [(user_leaf, axis, bounds[d], bounds[d + 1]) for d in range(devices)] + old[j + 1:]
+  paths = list(g.param_paths)
+  paths = paths[:j] + [f"{path}[{bounds[d]}:{bounds[d + 1]}]" for d in range(devices)] + paths[j + 1:]
+  info = LeafShard(leaf=user_leaf, path=path, rule=rule_name, axis=axis, bounds=bounds,
+                   node=node.name)
+  new = dataclasses.replace(
+    g, nodes=new_nodes, edges=_edges(new_nodes), closed_jaxpr=closed, input_kinds=tuple(kinds_new),
+    param_paths=tuple(paths), param_split=tuple(split), shards=g.shards + (info,),
+  )
+  return new, info
+
+
+def _sum(xs):
+  total = xs[0]
+  for x in xs[1:]:
+    total = total + x
+  return total
+
+
+def shard_leaves(
+  g: OpGraph,
+  devices: int,
+  *,
+  rules: Sequence[str] = RULES,
+  min_fraction: float = SHARD_MIN_FRACTION,
+  leaves: Sequence[str] | None = None,
+) -> tuple[OpGraph, ShardReport]:
+  """Offers shard options: every parameter leaf of at least `min_fraction` of the parameter
+  bytes (or exactly the leaves whose paths are in `leaves`) that a rule applies to is split into
+  `devices` pieces (module docstring). Returns the rewritten graph and a report; with
+  `devices` < 2, no rule, or no leaf that qualifies, the graph is returned unchanged.
+
+  Raises:
+    ValueError: an unknown rule, a bad fraction, or a leaf named in `leaves` that cannot be split.
+  """
+  unknown = [r for r in rules if r not in RULES]
+  if unknown:
+    raise ValueError(f"unknown shard rule(s) {unknown}: use any of {list(RULES)}")
+  if not 0.0 <= min_fraction <= 1.0:
+    raise ValueError(f"shard_min_fraction={min_fraction}: use a fraction in [0, 1]")
+  if g.shards:
+    raise ValueError("the graph is already sharded: offer shard options once, on the traced graph")
+  if devices < 2 or not rules:
+    return g, ShardReport((), ())
+  param_vars = [v for v, (k, _) in zip(g.jaxpr.invars, g.input_kinds) if k == PARAM]
+  total = max(sum(aval_bytes(v.aval) for v in param_vars), 1)
+  if leaves is not None:
+    want = list(leaves)
+    missing = [p for p in want if p not in g.param_paths]
+    if missing:
+      raise ValueError(f"cannot shard {missing}: no such parameter leaf (leaves: "
+                       f"{list(g.param_paths)[:8]}...)")
+    order = [g.param_paths.index(p) for p in want]
+  else:
+    order = sorted(
+      (i for i, v in enumerate(param_vars) if aval_bytes(v.aval) >= min_fraction * total),
+      key=lambda i: -aval_bytes(param_vars[i].aval))
+  shards, skipped = [], []
+  paths = list(g.param_paths)
+  for i in order:
+    v, path = param_vars[i], paths[i]
+    got = _rewrite_leaf(g, v, devices, rules, path, i)
+    if isinstance(got, str):
+      if leaves is not None:
+        raise ValueError(f"cannot shard parameter {path}: {got}")
+      skipped.append((path, got))
+      continue
+    g, info = got
+    shards.append(info)
+  return g, ShardReport(tuple(shards), tuple(skipped))
+
+
+def apply(g: OpGraph, devices: int, shards: Sequence[LeafShard]) -> OpGraph:
+  """The graph a plan with these shards was made for (the same leaves split the same way)."""
+  if not shards:
+    return g
+  got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards])
+  want = [(s.path, s.axis, tuple(s.bounds)) for s in shards]
+  have = [(s.path, s.axis, tuple(s.bounds)) for s in got.shards]
+  if want != have:
+    raise ValueError(
+      f"the plan splits {want} but this model splits {have} on {devices} devices: re-plan")
+  return got
+
+
+def split_leaves(g: OpGraph, leaves: Sequence[Any]) -> list[Any]:
+  """The graph's parameter leaves from the user's (pieces cut out of split leaves)."""
+  if not g.param_split:
+    return list(leaves)
+  out = []
+  for user, axis, lo, hi in g.param_split:
+    x = leaves[user]
+    if axis < 0:
+      out.append(x)
+    else:
+      sl = [slice(None)] * np.ndim(x)
+      sl[axis] = slice(lo, hi)
+      out.append(x[tuple(sl)])
+  return out
+
+
+def join_leaves(g: OpGraph, leaves: Sequence[Any]) -> list[Any]:
+  """The user's parameter leaves from the graph's (pieces concatenated back)."""
+  if not g.param_split:
+    return list(leaves)
+  n_user = 1 + max(u for u, *_ in g.param_split)
+  parts: list[list[tuple[int, Any]]] = [[] for _ in range(n_user)]
+  axes = [-1] * n_user
+  for (user, axis, lo, _), x in zip(g.param_split, leaves):
+    parts[user].append((lo, x))
+    axes[user] = axis
+  out = []
+  for user in range(n_user):
+    if axes[user] < 0:
+      out.append(parts[user][0][1])
+    else:
+      xs = [x for _, x in sorted(parts[user], key=lambda t: t[0])]
+      out.append(np.concatenate([np.asarray(x) for x in xs], axis=axes[user]))
+  return out
+
+
+def user_param_count(g: OpGraph) -> int:
+  """Number of the user's parameter leaves."""
+  if not g.param_split:
+    return len(g.param_avals)
+  return 1 + max(u for u, *_ in g.param_split)
+
+
+def sharded_bytes(g: OpGraph) -> int:
+  """Bytes of the parameter leaves that were split."""
+  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
+             for a, (_, axis, _, _) in zip(g.param_avals, g.param_split or ()) if axis >= 0)

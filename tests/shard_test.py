@@ -1,0 +1,139 @@
+"""Shard options: a large leaf split into one piece per model device (`jaxhybrid.graph.shard`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from program_test import assert_matches_reference
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid import mesh as mesh_lib
+from jaxhybrid import program as program_lib
+from jaxhybrid.api import microbatch_spec
+from jaxhybrid.graph import shard
+
+
+class VocabNet(nnx.Module):
+  """An embedding lookup, a hidden dense layer and a vocabulary projection."""
+
+  def __init__(self, vocab=50, width=16, *, rngs):
+    self.emb = nnx.Embed(vocab, width, rngs=rngs)
+    self.mid = nnx.Linear(width, width, rngs=rngs)
+    self.out = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.out(jnp.tanh(self.mid(self.emb(ids))))
+
+
+def vocab_loss(m, b):
+  logp = jax.nn.log_softmax(m(b["x"]))
+  return -jnp.mean(jnp.take_along_axis(logp, b["y"][..., None], -1))
+
+
+def vocab_batch(n, vocab=50, seq=4, seed=0):
+  r = np.random.default_rng(seed)
+  return {"x": jnp.asarray(r.integers(0, vocab, (n, seq)), jnp.int32),
+          "y": jnp.asarray(r.integers(0, vocab, (n, seq)), jnp.int32)}
+
+
+def _run(g, leaves, state, batch):
+  args = list(leaves) + jax.tree.leaves(state) + jax.tree.leaves(batch)
+  return jex.core.jaxpr_as_fun(g.closed_jaxpr)(*args)[0]
+
+
+def test_rewrite_keeps_loss_and_gradients():
+  model, batch = VocabNet(rngs=nnx.Rngs(0)), vocab_batch(4)
+  g = graph_lib.trace(model, vocab_loss, batch)
+  g3, report = shard.shard_leaves(g, 3)
+  rules = {s.path.split("'")[1]: (s.rule, s.axis) for s in report.shards}
+  assert rules == {"emb": ("lookup", 0), "out": ("column", 1), "mid": ("column", 1)}
+  # Every piece is read by exactly one node, and the three pieces of a leaf by three nodes.
+  readers = [[n.id for n in g3.nodes if j in n.param_leaves] for j in range(len(g3.param_avals))]
+  assert all(len(r) == 1 for r in readers)
+  _, p, s, _ = graph_lib.nnx_pure_loss(model, vocab_loss)
+  leaves = jax.tree.leaves(p)
+  pieces = shard.split_leaves(g3, leaves)
+  assert len(pieces) == len(leaves) + 3 * 2
+  np.testing.assert_allclose(_run(g3, pieces, s, batch), _run(g, leaves, s, batch), rtol=1e-6)
+  want = jax.grad(lambda pl: _run(g, pl, s, batch))(leaves)
+  got = shard.join_leaves(g3, jax.grad(lambda pl: _run(g3, pl, s, batch))(pieces))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_ids_outside_the_table_read_what_the_whole_table_reads():
+  """jnp.take fills ids past the table with NaN; indexing clamps them: the pieces do the same."""
+  table = jnp.arange(40.0).reshape(10, 4)
+
+  def loss(p, s, b):
+    del s
+    a = jnp.take(p["t"], b["i"], axis=0)
+    c = p["t"][b["j"]]
+    return jnp.sum(jnp.where(jnp.isnan(a), 7.0, a)) + jnp.sum(c * c)
+
+  b = {"i": jnp.array([0, 3, 9, 10, 12], jnp.int32), "j": jnp.array([1, 9, 11, 20], jnp.int32)}
+  g = graph_lib.trace_function(loss, {"t": table}, {}, b)
+  g2, report = shard.shard_leaves(g, 3)
+  assert [s.rule for s in report.shards] == ["lookup"]
+  pieces = shard.split_leaves(g2, [table])
+  np.testing.assert_array_equal(_run(g2, pieces, {}, b), _run(g, [table], {}, b))
+
+
+def test_leaves_no_rule_applies_to_are_skipped_with_a_reason():
+  def loss(p, s, b):
+    del s
+    return jnp.sum(jnp.take(p["e"], b["i"], axis=0)) + jnp.sum(p["w"] ** 2) * jnp.mean(b["x"])
+
+  params = {"e": jnp.ones((20, 4)), "w": jnp.ones((20, 4))}
+  b = {"i": jnp.array([1, 2], jnp.int32), "x": jnp.ones((2,))}
+  g = graph_lib.trace_function(loss, params, {}, b)
+  g2, report = shard.shard_leaves(g, 2)
+  assert [s.path for s in report.shards] == ["['e']"]
+  assert report.skipped == (("['w']", "read by integer_pow"),)
+  with pytest.raises(ValueError, match=r"cannot shard parameter \['w'\]: read by integer_pow"):
+    shard.shard_leaves(g, 2, leaves=["['w']"])
+  with pytest.raises(ValueError, match="unknown shard rule"):
+    shard.shard_leaves(g, 2, rules=("rows",))
+  assert shard.shard_leaves(g, 2, rules=())[0] is g
+  assert shard.shard_leaves(g, 1)[0] is g
+
+
+def _spread(g, M):
+  """Shard d on device d; every other node on device 0, except the vocabulary head on M - 1."""
+  out = []
+  for n in g.nodes:
+    if "/shard" in n.name:
+      out.append(int(n.name.rsplit("shard", 1)[1]) % M)
+    else:
+      out.append(M - 1 if n.name.startswith("out") else 0)
+  return out
+
+
+@pytest.mark.parametrize("mesh_spec,k,schedule", [
+  ("1x2", 1, "1f1b"), ("2x2", 2, "zb"), ("1x4", 2, "gpipe"), ("4x2", 1, "1f1b"),
+])
+def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule):
+  model, batch = VocabNet(rngs=nnx.Rngs(1)), vocab_batch(16, seed=2)
+  opt = optax.adam(1e-2)
+  m = mesh_lib.make(mesh_spec)
+  M, data = m.shape["model"], m.shape["data"]
+  spec, per_example = microbatch_spec(batch, 16, 16 // (data * k))
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, vocab_loss)
+  g, report = shard.shard_leaves(graph_lib.trace_function(pure, p, s, spec), M)
+  assert len(report.shards) == 3
+  prog = program_lib.HybridProgram.build(
+    g, m, opt, _spread(g, M), microbatches=k, state=s, per_example=per_example, schedule=schedule)
+  # Each device owns one piece of the embedding: 1/M of it, not the whole table.
+  emb = next(x for x in report.shards if x.rule == "lookup")
+  per_dev = prog.layout.bytes_per_device()
+  split = shard.sharded_bytes(g)
+  assert split == (50 * 16 + 16 * 16 + 16 * 50) * 4
+  whole = g.total_param_bytes - split  # the biases
+  assert max(per_dev) <= split / M + whole + 3 * 16 * 4, per_dev  # one row of imbalance per leaf
+  assert emb.bounds == tuple((d * 50) // M for d in range(M + 1))
+  assert_matches_reference(prog, p, s, pure, batch, opt)
