@@ -157,7 +157,6 @@ def dry_run() -> str:
 
 
 TABLES = {"paper": paper, "headline": headline, "bench_mp": bench_mp,
-          "bench_mp_auto": lambda: bench_mp("bench_mp_auto_schedule.json"),
           "bench_memory": bench_memory, "bench_planner": bench_planner,
           "bench_planner_fbw": bench_planner_fbw, "dry_run": dry_run}
 
