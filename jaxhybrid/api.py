@@ -28,6 +28,7 @@ import optax
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
+from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid.program import structure
 
 log = logging.getLogger(__name__)
@@ -331,6 +332,19 @@ def parallelize(
   else:
     raise ValueError(f"cannot parallelize {type(model).__name__}: pass an nnx.Module or a linen Module")
 
+  # Shard options: large leaves split into one piece per model device, each piece a node the
+  # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
+  g_traced = g
+  if plan is not None:
+    g = shard_lib.apply(
+      g, model_ax, [shard_lib.LeafShard.from_json(x) for x in getattr(plan, "shards", ())])
+  elif model_ax > 1:
+    popts = planner_lib.PlannerOptions(devices=model_ax).replace(**{
+      k: v for k, v in (planner_options or {}).items() if k in ("shard_rules", "shard_min_fraction")})
+    g, shard_report = shard_lib.shard_leaves(
+      g, model_ax, rules=tuple(popts.shard_rules), min_fraction=popts.shard_min_fraction)
+    for path, why in shard_report.skipped:
+      log.info("leaf %s is not offered for sharding: %s", path, why)
   c = costs if costs is not None else default_costs(hardware)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
@@ -342,12 +356,18 @@ def parallelize(
     if isinstance(prog_opts.get("schedule"), str):
       # The planner picks the schedule of the kind the program is asked to run (plus order).
       opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
-    plan = planner_lib.place(g, c, devices=model_ax, **opts)
+    if g.shards:
+      plan, g = _place_shard_or_whole(planner_lib, g, g_traced, c, model_ax, opts)
+    else:
+      plan = planner_lib.place(g, c, devices=model_ax, **opts)
     plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=True)
+    plan = dataclasses.replace(plan, shards=tuple(x.to_json() for x in g.shards))
     if jax.process_count() > 1:
       # Every process must run the same program: time-limited searches (and ties) can differ
       # between processes, and different plans would deadlock in the first collective.
       plan = planner_lib.Plan.from_json(broadcast_text(plan.to_json()))
+      g = shard_lib.apply(
+        g_traced, model_ax, [shard_lib.LeafShard.from_json(x) for x in plan.shards])
   elif getattr(plan, "graph_fingerprint", g.fingerprint()) != g.fingerprint():
     raise ValueError(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
@@ -383,6 +403,35 @@ def parallelize(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
     reference_loss=reference, check=check,
   )
+
+
+def _step_price(plan: Any) -> float:
+  return plan.lockstep_step_s or plan.predicted_step_s
+
+
+def _place_shard_or_whole(planner_lib, g, g_whole, costs, devices: int, opts: dict[str, Any]):
+  """Plans the graph with shard options and the graph with every leaf whole, each in half the
+  time limit, and keeps the faster plan (with its graph). Sharding must earn its place: the
+  larger problem's search can end above the placement-only optimum, and a leaf that need not be
+  split is kept whole. A problem only the sharded graph fits is planned sharded."""
+  limit = opts.get("time_limit_s", planner_lib.PlannerOptions().time_limit_s)
+  half = dict(opts, time_limit_s=limit / 2)
+  try:
+    sharded = planner_lib.place(g, costs, devices=devices, **half)
+  except planner_lib.InfeasibleError:
+    sharded = None
+  try:
+    whole = planner_lib.place(g_whole, costs, devices=devices, **half)
+  except planner_lib.InfeasibleError:
+    if sharded is None:
+      raise
+    return sharded, g
+  if sharded is None or _step_price(whole) <= _step_price(sharded):
+    if sharded is not None:
+      log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
+               _step_price(sharded), _step_price(whole))
+    return whole, g_whole
+  return sharded, g
 
 
 def reference_step(whole_batch_graph: graph_lib.OpGraph, costs: Any) -> dict[str, Any]:

@@ -222,7 +222,7 @@ def test_plan_json_carries_the_task_schedule_and_v1_plans_load_as_gpipe(tmp_path
   assert isinstance(plan.task_schedule, task_schedule.TaskSchedule)
   assert plan.task_schedule == hy.program.schedule and plan.task_schedule.kind == "zb"
   again = planner.Plan.from_json(plan.to_json())
-  assert again == plan and again.schema_version == 2
+  assert again == plan and again.schema_version == planner.SCHEMA_VERSION
   # Reapplying the saved plan runs the same schedule.
   assert _tower_hybrid(plan=again).program.schedule == plan.task_schedule
   # A version-1 plan (no task schedule) loads and its program runs GPipe.

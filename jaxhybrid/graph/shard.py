@@ -65,14 +65,17 @@ class LeafShard:
   axis: int
   bounds: tuple[int, ...]
   node: str  # the node whose readers were rewritten
+  shard_nodes: tuple[str, ...] = ()  # the M nodes that read the pieces, piece order
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self) | {"bounds": list(self.bounds)}
+    return dataclasses.asdict(self) | {"bounds": list(self.bounds),
+                                       "shard_nodes": list(self.shard_nodes)}
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> LeafShard:
     return cls(leaf=int(d["leaf"]), path=str(d["path"]), rule=str(d["rule"]), axis=int(d["axis"]),
-               bounds=tuple(int(b) for b in d["bounds"]), node=str(d["node"]))
+               bounds=tuple(int(b) for b in d["bounds"]), node=str(d["node"]),
+               shard_nodes=tuple(str(n) for n in d.get("shard_nodes", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,7 +398,7 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   paths = list(g.param_paths)
   paths = paths[:j] + [f"{path}[{bounds[d]}:{bounds[d + 1]}]" for d in range(devices)] + paths[j + 1:]
   info = LeafShard(leaf=user_leaf, path=path, rule=rule_name, axis=axis, bounds=bounds,
-                   node=node.name)
+                   node=node.name, shard_nodes=tuple(f"{base}{d}" for d in range(devices)))
   new = dataclasses.replace(
     g, nodes=new_nodes, edges=_edges(new_nodes), closed_jaxpr=closed, input_kinds=tuple(kinds_new),
     param_paths=tuple(paths), param_split=tuple(split), shards=g.shards + (info,),

@@ -168,6 +168,15 @@ class PlannerOptions:
   # Inception-V3 M=2 k=4 0.772 -> 0.697 s; BigLSTM M=2 k=4 0.8625 -> 0.751 s (its V placement).
   lockstep_groups_share: float = 0.25
   lockstep_groups_max_s: float | None = 20.0
+  # Shard options (`jaxhybrid.graph.shard`, applied by `jaxhybrid.parallelize` before planning):
+  # the rules that may split a large parameter leaf into one piece per model device ('lookup':
+  # rows of a table read by gathers; 'column': a free dimension of a dense layer's weight); ()
+  # keeps every leaf whole (the placement-only problem). Each split leaf's pieces are nodes the
+  # placement puts anywhere: on one device the leaf is kept whole, on several it is sharded.
+  shard_rules: tuple[str, ...] = ("lookup", "column")
+  # Assumption: only leaves of at least this fraction of the parameter bytes are offered
+  # (`shard.SHARD_MIN_FRACTION`; each adds M + 1 nodes to the problem).
+  shard_min_fraction: float = 0.1
 
   @property
   def work_limited(self) -> bool:
@@ -189,6 +198,12 @@ class PlannerOptions:
       raise ValueError(f"gap={self.gap!r}: use a relative gap in [0, 1).")
     if self.solver not in SOLVERS:
       raise ValueError(f"solver={self.solver!r}: use one of {SOLVERS}.")
+    bad_rules = set(self.shard_rules) - {"lookup", "column"}
+    if bad_rules:
+      raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column (or () to "
+                       "keep every leaf whole).")
+    if not 0.0 <= self.shard_min_fraction <= 1.0:
+      raise ValueError(f"shard_min_fraction={self.shard_min_fraction!r}: use a fraction in [0, 1].")
     bad = set(self.schedule_kinds) - {"gpipe", "1f1b", "zb", "custom"}
     if bad or not self.schedule_kinds:
       raise ValueError(f"schedule_kinds={self.schedule_kinds!r}: use some of gpipe, 1f1b, zb, "

@@ -20,8 +20,10 @@ from jaxhybrid.planner.core.task_schedule import TaskSchedule
 # The same holds for `task_schedule.groups` (explicit lock-step groups, lockstep_cpsat): absent,
 # the program derives the groups from the orders; present, it runs them, and `lockstep_step_s`
 # prices them (a reader that ignores them would price and run the derived groups instead).
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: adds `shards` (parameter leaves split into one piece per model device, each piece a node of
+# its own; `jaxhybrid.graph.shard`). Version-1 and -2 plans load with no leaf split.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +105,9 @@ class Plan:
   # across nodes: costs.ProfiledCostModel.whole_step_time_s) or 'node sum' (the cost model's
   # nodes of the whole-batch graph, e.g. analytic costs).
   reference_source: str = ""
+  # ---- Split leaves (schema 3): per leaf, `jaxhybrid.graph.shard.LeafShard.to_json()`; the
+  # graph the plan places is the traced graph with these leaves split (`shard.apply`).
+  shards: tuple[Mapping[str, Any], ...] = ()
 
   @property
   def reference_speedup(self) -> float:
@@ -140,6 +145,7 @@ class Plan:
     out["lockstep_baselines"] = dict(self.lockstep_baselines)
     out["device_peak_bytes"] = list(self.device_peak_bytes)
     out["memory_caps_bytes"] = list(self.memory_caps_bytes)
+    out["shards"] = [dict(x) for x in self.shards]
     ts = self.task_schedule
     out["task_schedule"] = ts.to_dict() if isinstance(ts, TaskSchedule) else ts
     for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
@@ -173,6 +179,7 @@ class Plan:
         kw[key] = tuple(data[key])
       for key in ("device_peak_bytes", "memory_caps_bytes"):
         kw[key] = tuple(data.get(key, ()))
+      kw["shards"] = tuple(dict(x) for x in data.get("shards", ()))
       return cls(**kw)
     except (KeyError, TypeError) as err:
       raise ValueError(f"Malformed plan: {err}") from err
@@ -200,6 +207,21 @@ class Plan:
       return cls.from_json(text)
     except (ValueError, AttributeError) as err:
       raise ValueError(f"{os.fspath(path)} is not a valid plan: {err}") from err
+
+  def shard_devices(self) -> list[list[int]]:
+    """Per split leaf, the device of each of its pieces (all equal: the leaf is kept whole on
+    that device; different: it is sharded)."""
+    where = dict(zip(self.node_names, self.assignment))
+    return [[int(where[n]) for n in s.get("shard_nodes", ()) if n in where] for s in self.shards]
+
+  def _shard_lines(self) -> list[str]:
+    out = []
+    for s, devs in zip(self.shards, self.shard_devices()):
+      spread = len(set(devs))
+      how = (f"kept whole on device {devs[0]}" if spread == 1 else
+             f"sharded over {spread} devices (pieces on {devs})")
+      out.append(f"  leaf {s['path']}: {s['rule']} split on axis {s['axis']}, {how}")
+    return out
 
   def _schedule_name(self) -> str:
     ts = self.task_schedule
@@ -233,6 +255,7 @@ class Plan:
     lines += [
       f"  costs: {self.cost_source} {self.hardware}; graph {self.graph_fingerprint}",
     ]
+    lines += self._shard_lines()
     width = max((len(n) for n in self.node_names), default=4)
     for i, name in enumerate(self.node_names):
       lines.append(

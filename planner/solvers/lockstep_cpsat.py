@@ -170,6 +170,12 @@ def improve(
       deps.add((index[u], index[o], int(dev[index[u]] != dev[index[o]])))
     for u in reads.get(o, ()):
       deps.add((index[u], index[o], int(dev[index[u]] != dev[index[o]])))
+    if o.kind == "B":
+      # The lock-step rule orders B(n) after B(s) for every successor s, also over an edge that
+      # carries no cotangent (integer ids), and in a later group when s is on another device.
+      for s_, _ in problem.successors()[o.node]:
+        u = index[Op("B", s_, o.microbatch)]
+        deps.add((u, index[o], int(dev[u] != dev[index[o]])))
   deps = sorted(deps)
   hint = [0] * len(ops)
   for j, group in enumerate(warm_groups):
