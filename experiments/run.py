@@ -34,6 +34,11 @@ _SCHEDULE = flags.DEFINE_string(
 _ZERO = flags.DEFINE_integer(
   "zero", runner.DEFAULT_ZERO,
   "ZeRO stage over the data axis: 0 = full optimizer state per data replica, 1 = sharded over them.")
+_SHARD = flags.DEFINE_boolean(
+  "shard", True, "Let the planner split large parameter leaves (embedding, softmax and big dense "
+  "tables) into one piece per model device; --noshard keeps every leaf whole.")
+_MEMORY_CAP = flags.DEFINE_float(
+  "memory_cap_gib", None, "Planner memory cap per device, GiB (default: the hardware's memory).")
 _DRY_RUN = flags.DEFINE_boolean(
   "dry_run", False, "Plan, compile from abstract inputs and print per-device memory; no training.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Cost-model hardware profile (default: detect).")
@@ -76,7 +81,8 @@ def main(argv):
     config = runner.RunConfig(
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
-      schedule=_SCHEDULE.value, zero=_ZERO.value, dry_run=_DRY_RUN.value,
+      schedule=_SCHEDULE.value, zero=_ZERO.value, shard=_SHARD.value,
+      memory_cap_gib=_MEMORY_CAP.value, dry_run=_DRY_RUN.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
       plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,

@@ -43,14 +43,20 @@ def test_tagged_prose_figures_match_their_results_files():
 
 
 def test_a_changed_prose_figure_is_caught():
+  import json
+
   figures = experiment_module("docs_figures")
   tag = ("<!-- value: bench_planner.json "
          "model=inception_v3&devices=2&microbatches=1.predicted_speedup -->")
-  assert not figures.inline_mismatches(f"predicted 1.28x{tag}")
-  assert figures.inline_mismatches(f"predicted 1.29x{tag}") == [
-    f"1.29x but bench_planner.json {tag.split()[3]} is 1.28"]
-  assert figures.inline_mismatches(f"gap 1.3 %{tag}")  # a % figure is the value x 100 (128.0)
-  assert not figures.inline_mismatches(f"gap 128.0 %{tag}")
+  with open(os.path.join(figures.RESULTS, "bench_planner.json")) as f:
+    value = next(c["predicted_speedup"] for c in json.load(f)
+                 if (c["model"], c["devices"], c["microbatches"]) == ("inception_v3", 2, 1))
+  right, wrong = f"{value:.2f}", f"{value + 0.01:.2f}"
+  assert not figures.inline_mismatches(f"predicted {right}x{tag}")
+  assert figures.inline_mismatches(f"predicted {wrong}x{tag}") == [
+    f"{wrong}x but bench_planner.json {tag.split()[3]} is {right}"]
+  assert figures.inline_mismatches(f"gap {value:.1f} %{tag}")  # a % figure is the value x 100
+  assert not figures.inline_mismatches(f"gap {100 * value:.1f} %{tag}")
 
 
 def test_every_results_path_the_docs_name_exists():

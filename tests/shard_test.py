@@ -137,3 +137,73 @@ def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule):
   assert max(per_dev) <= split / M + whole + 3 * 16 * 4, per_dev  # one row of imbalance per leaf
   assert emb.bounds == tuple((d * 50) // M for d in range(M + 1))
   assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+class TableNet(nnx.Module):
+  """A big embedding table and a small head: the table alone is most of the parameters."""
+
+  def __init__(self, vocab=4096, width=64, *, rngs):
+    self.emb = nnx.Embed(vocab, width, rngs=rngs)
+    self.head = nnx.Linear(width, 8, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.head(jnp.tanh(self.emb(ids)))
+
+
+def table_loss(m, b):
+  return jnp.mean((m(b["x"]) - 1.0) ** 2)
+
+
+def _table_batch(n=8, seed=0):
+  return {"x": jnp.asarray(np.random.default_rng(seed).integers(0, 4096, (n, 4)), jnp.int32)}
+
+
+def test_a_table_no_device_can_hold_is_sharded_and_trains_exactly():
+  """Planner memory per device = parameters x (1 + gradient + Adam's 2 moments) = 4 MiB for the
+  1 MiB table: under a 3 MiB cap it fits on no device whole, so the plan must shard it."""
+  from conftest import DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+  from jaxhybrid import planner
+
+  model, batch = TableNet(rngs=nnx.Rngs(0)), _table_batch()
+  opt = optax.adam(1e-2)
+  cap = 3 * 2**20
+  opts = dict(DETERMINISTIC_PLANNER, memory_caps_bytes=cap)
+  with pytest.raises(planner.InfeasibleError):
+    api.parallelize(model, table_loss, opt, batch, mesh="1x2",
+                    planner_options=dict(opts, shard_rules=()))
+  hy = api.parallelize(model, table_loss, opt, batch, mesh="1x2", planner_options=opts)
+  assert [s["path"] for s in hy.plan.shards] == ["['emb']['embedding'].value"]
+  assert sorted(hy.plan.shard_devices()[0]) == [0, 1]
+  assert "sharded over 2 devices" in hy.plan.summary()
+  assert max(hy.program.layout.bytes_per_device()) < 4096 * 64 * 4 * 0.6
+  # The plan round-trips through JSON and brings its split back onto a fresh trace.
+  again = planner.Plan.from_json(hy.plan.to_json())
+  assert again.shards == hy.plan.shards and again.schema_version == planner.SCHEMA_VERSION
+  hy2 = api.parallelize(model, table_loss, opt, batch, mesh="1x2", plan=again)
+  assert hy2.program.assignment == hy.program.assignment
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, table_loss)
+  assert_matches_reference(hy2.program, p, s, pure, batch, opt)
+  # A version-2 plan (no `shards`) loads with every leaf whole.
+  old = hy.plan.to_dict()
+  old["schema_version"] = 2
+  del old["shards"]
+  assert planner.Plan.from_dict(old).shards == ()
+
+
+def test_shard_options_never_price_above_the_placement_only_plan():
+  """With room for the table, the kept plan is the cheaper of sharded and whole."""
+  from conftest import DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+
+  model, batch = TableNet(rngs=nnx.Rngs(0)), _table_batch()
+  opt = optax.adam(1e-2)
+  whole = api.parallelize(model, table_loss, opt, batch, mesh="1x2", microbatches=2,
+                          planner_options=dict(DETERMINISTIC_PLANNER, shard_rules=(),
+                                               time_limit_s=300.0))
+  either = api.parallelize(model, table_loss, opt, batch, mesh="1x2", microbatches=2,
+                           planner_options=DETERMINISTIC_PLANNER)
+  assert whole.plan.shards == ()
+  assert either.plan.lockstep_step_s <= whole.plan.lockstep_step_s * (1 + 1e-9)

@@ -76,6 +76,12 @@ class RunConfig:
   # state; 1 = that state is sharded over the data replicas (gradients reduce-scattered, updated
   # parameters all-gathered: the all-reduce's bytes). See HybridProgram.zero.
   zero: int = DEFAULT_ZERO
+  # Offer shard options: large parameter leaves (embedding and softmax tables, big dense layers)
+  # may be split into one piece per model device, each placed by the planner
+  # (jaxhybrid.graph.shard); False keeps every leaf whole.
+  shard: bool = True
+  # The planner's memory cap per device, GiB; None = the hardware profile's device memory.
+  memory_cap_gib: float | None = None
   # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
   dry_run: bool = False
   # Hardware profile of the analytic cost model (jaxhybrid.costs.hardware names); None = detect.
@@ -307,6 +313,9 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
         microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
         planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
                          **({"progress": progress} if shown else {}),
+                         **({} if config.shard else {"shard_rules": ()}),
+                         **({"memory_caps_bytes": int(config.memory_cap_gib * 2**30)}
+                            if config.memory_cap_gib else {}),
                          **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,
         # 'auto': no schedule named, so the plan's own (or a saved plan's) runs.
         program_options={"zero": config.zero,

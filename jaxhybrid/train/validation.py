@@ -58,6 +58,10 @@ def validate(config: Any) -> None:
     raise errors.UsageError(f"--checkpoint_every={config.checkpoint_every}: use 0 (only at the end) or more")
   if not config.time_limit_s > 0:
     raise errors.UsageError(f"--time_limit={config.time_limit_s}: use a positive number of seconds")
+  cap = getattr(config, "memory_cap_gib", None)
+  if cap is not None and not (math.isfinite(cap) and cap > 0):
+    raise errors.UsageError(f"--memory_cap_gib={cap}: use a positive number of GiB per device "
+                            "(or leave it out: the hardware's memory)")
   lr = config.learning_rate
   if lr is not None and not (math.isfinite(lr) and lr > 0):
     raise errors.UsageError(f"--learning_rate={config.learning_rate}: use a positive number")
