@@ -409,11 +409,16 @@ def _step_price(plan: Any) -> float:
   return plan.lockstep_step_s or plan.predicted_step_s
 
 
+def _peak(plan: Any) -> float:
+  return max(plan.device_peak_bytes or plan.device_memory() or (0.0,))
+
+
 def _place_shard_or_whole(planner_lib, g, g_whole, costs, devices: int, opts: dict[str, Any]):
   """Plans the graph with shard options and the graph with every leaf whole, each in half the
-  time limit, and keeps the faster plan (with its graph). Sharding must earn its place: the
-  larger problem's search can end above the placement-only optimum, and a leaf that need not be
-  split is kept whole. A problem only the sharded graph fits is planned sharded."""
+  time limit, and keeps the sharded plan (with its graph) when it is faster, or at most
+  `spread_tolerance` slower with less memory per device. Sharding must earn its place: the
+  larger problem's search can end above the placement-only optimum. A problem only the sharded
+  graph fits is planned sharded."""
   limit = opts.get("time_limit_s", planner_lib.PlannerOptions().time_limit_s)
   half = dict(opts, time_limit_s=limit / 2)
   try:
@@ -426,12 +431,17 @@ def _place_shard_or_whole(planner_lib, g, g_whole, costs, devices: int, opts: di
     if sharded is None:
       raise
     return sharded, g
-  if sharded is None or _step_price(whole) <= _step_price(sharded):
-    if sharded is not None:
-      log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
-               _step_price(sharded), _step_price(whole))
-    return whole, g_whole
-  return sharded, g
+  tol = planner_lib.PlannerOptions().replace(
+    **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
+  if sharded is not None and (
+      _step_price(sharded) < _step_price(whole)
+      or (_step_price(sharded) <= _step_price(whole) * (1 + tol)
+          and _peak(sharded) < _peak(whole))):
+    return sharded, g
+  if sharded is not None:
+    log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
+             _step_price(sharded), _step_price(whole))
+  return whole, g_whole
 
 
 def reference_step(whole_batch_graph: graph_lib.OpGraph, costs: Any) -> dict[str, Any]:

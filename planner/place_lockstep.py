@@ -8,7 +8,7 @@ import time
 from typing import Any, Mapping
 
 from jaxhybrid.planner.lower_bounds import placement_bound
-from jaxhybrid.planner.search import fbw_search, lockstep_order
+from jaxhybrid.planner.search import fbw_search, lockstep_order, spread
 from jaxhybrid.planner.solvers import fbw_milp, lockstep_bound, lockstep_cpsat
 from jaxhybrid.planner.search import heuristics as heur
 from jaxhybrid.planner.pricing import price as price_lib
@@ -58,6 +58,7 @@ def lockstep(
     name, schedule, step, mem = got
     choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
                                f"{opts.method}/{name}")
+    choice = spread.spread(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
     return {"choice": choice, "baselines": {}, "bound": bound}
   extra = []
   budget = clock.rest()
@@ -134,6 +135,7 @@ def lockstep(
       got = grouped(problem, opts, caps, cand, max(MIN_PHASE_S, end - time.monotonic()))
       if got.step_s < choice.step_s - 1e-15:
         choice = got
+  choice = spread.spread(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
   return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
 
 

@@ -106,7 +106,7 @@ def _log_lines(text: str) -> list[str]:
 
 @pytest.mark.parametrize("verbosity", [0, 1])
 def test_planner_details_show_only_with_verbosity(verbosity, tmp_path):
-  proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2",
+  proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2", "--time_limit=4",
                 f"--progress={verbosity == 0}", f"--verbosity={verbosity}",
                 f"--workdir={tmp_path}", timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -193,8 +193,11 @@ def test_a_table_no_device_can_hold_is_sharded_and_trains_exactly():
 
 
 def test_shard_options_never_price_above_the_placement_only_plan():
-  """With room for the table, the kept plan is the cheaper of sharded and whole."""
-  from conftest import DETERMINISTIC_PLANNER
+  """With room for the table, the kept plan prices at most spread_tolerance above the
+  placement-only plan."""
+  from conftest import LIGHT_DETERMINISTIC_PLANNER as DETERMINISTIC_PLANNER
+
+  from jaxhybrid import planner
 
   from jaxhybrid import api
 
@@ -206,4 +209,34 @@ def test_shard_options_never_price_above_the_placement_only_plan():
   either = api.parallelize(model, table_loss, opt, batch, mesh="1x2", microbatches=2,
                            planner_options=DETERMINISTIC_PLANNER)
   assert whole.plan.shards == ()
-  assert either.plan.lockstep_step_s <= whole.plan.lockstep_step_s * (1 + 1e-9)
+  tol = planner.PlannerOptions().spread_tolerance
+  assert either.plan.lockstep_step_s <= whole.plan.lockstep_step_s * (1 + tol) + 1e-15
+
+
+def _piece_problem(piece_s=1e-3, transfer_s=1e-4):
+  """emb/pre -> emb/shard0, emb/shard1 -> emb (post) -> head; 100 bytes of memory per piece."""
+  from jaxhybrid.planner.core.problem import Problem
+
+  names = ["emb/pre", "emb/shard0", "emb/shard1", "emb", "head"]
+  return Problem.build(
+    [1e-4, piece_s, piece_s, 1e-4, 5e-3], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)], devices=2,
+    transfer_s=transfer_s, names=names, memory_bytes=[0, 100, 100, 0, 10])
+
+
+def test_spread_puts_pieces_on_different_devices_when_the_price_allows():
+  from jaxhybrid.planner.search import fbw_search, spread
+
+  prob = _piece_problem()
+  assert spread.piece_groups(prob.names, 2) == [(1, 2)]
+  whole = (0, 0, 0, 0, 1)
+  name, sch, step, mem = fbw_search.best_schedule(prob, whole, 2, None)
+  choice = fbw_search.Choice(whole, sch, step, tuple(mem), "test")
+  got = spread.spread(prob, 2, None, choice, tolerance=0.5, kinds=("1f1b",))
+  assert {got.assignment[1], got.assignment[2]} == {0, 1}
+  assert max(got.peak_bytes) < max(choice.peak_bytes)
+  assert got.step_s <= choice.step_s * 1.5 and got.found_by == "test+spread"
+  # Transfers that make spreading cost more than the tolerance: the choice stays.
+  costly = _piece_problem(piece_s=1e-5, transfer_s=1e-2)
+  name, sch, step, mem = fbw_search.best_schedule(costly, whole, 2, None)
+  choice = fbw_search.Choice(whole, sch, step, tuple(mem), "test")
+  assert spread.spread(costly, 2, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice

@@ -177,6 +177,11 @@ class PlannerOptions:
   # Assumption: only leaves of at least this fraction of the parameter bytes are offered
   # (`shard.SHARD_MIN_FRACTION`; each adds M + 1 nodes to the problem).
   shard_min_fraction: float = 0.1
+  # Assumption: the pieces of a split leaf are spread one per device (dividing its memory by M)
+  # when that prices at most this fraction above the fastest plan found (search/spread.py), and
+  # `parallelize` keeps a sharded plan over the placement-only one when it is at most this much
+  # slower and needs less memory per device. 0: the fastest plan only.
+  spread_tolerance: float = 0.02
 
   @property
   def work_limited(self) -> bool:
@@ -202,6 +207,8 @@ class PlannerOptions:
     if bad_rules:
       raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column (or () to "
                        "keep every leaf whole).")
+    if not 0.0 <= self.spread_tolerance < 1.0:
+      raise ValueError(f"spread_tolerance={self.spread_tolerance!r}: use a fraction in [0, 1).")
     if not 0.0 <= self.shard_min_fraction <= 1.0:
       raise ValueError(f"shard_min_fraction={self.shard_min_fraction!r}: use a fraction in [0, 1].")
     bad = set(self.schedule_kinds) - {"gpipe", "1f1b", "zb", "custom"}
