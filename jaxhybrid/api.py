@@ -422,14 +422,21 @@ def _place_shard_or_whole(planner_lib, g, g_whole, costs, devices: int, opts: di
   limit = opts.get("time_limit_s", planner_lib.PlannerOptions().time_limit_s)
   half = dict(opts, time_limit_s=limit / 2)
   try:
-    sharded = planner_lib.place(g, costs, devices=devices, **half)
-  except planner_lib.InfeasibleError:
-    sharded = None
-  try:
     whole = planner_lib.place(g_whole, costs, devices=devices, **half)
   except planner_lib.InfeasibleError:
-    if sharded is None:
+    whole = None
+  seeds = tuple(half.get("seed_assignments", ()))
+  if whole is not None:  # the whole plan, mapped onto the sharded graph, seeds its search
+    where = dict(zip(whole.node_names, whole.assignment))
+    seeds += (tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
+                    for n in g.nodes),)
+  try:
+    sharded = planner_lib.place(g, costs, devices=devices, **dict(half, seed_assignments=seeds))
+  except planner_lib.InfeasibleError:
+    if whole is None:
       raise
+    return whole, g_whole
+  if whole is None:
     return sharded, g
   tol = planner_lib.PlannerOptions().replace(
     **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
@@ -240,3 +242,17 @@ def test_spread_puts_pieces_on_different_devices_when_the_price_allows():
   name, sch, step, mem = fbw_search.best_schedule(costly, whole, 2, None)
   choice = fbw_search.Choice(whole, sch, step, tuple(mem), "test")
   assert spread.spread(costly, 2, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
+
+
+def test_a_seed_placement_of_the_wrong_size_is_refused():
+  from conftest import LIGHT_DETERMINISTIC_PLANNER
+
+  from jaxhybrid import planner
+
+  prob = _piece_problem()
+  opts = planner.PlannerOptions(devices=2, microbatches=2, seed_assignments=((0, 1),),
+                                **LIGHT_DETERMINISTIC_PLANNER)
+  with pytest.raises(ValueError, match=r"seed_assignments\[0\] places 2 nodes"):
+    planner.place_problem(prob, opts)
+  ok = dataclasses.replace(opts, seed_assignments=((0, 0, 0, 0, 1),))
+  assert planner.place_problem(prob, ok).lockstep_step_s > 0

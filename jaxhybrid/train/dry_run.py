@@ -58,6 +58,8 @@ def run(config: Any) -> dict[str, Any]:
     _, hybrid, _ = runner.build(config, abstract=True, uncapped=True)
   report = hybrid.program.memory()
   capacity = hw_lib.get(hw_name).memory_bytes
+  if getattr(config, "memory_cap_gib", None):  # the user's budget per device, not the hardware's
+    capacity = min(capacity, config.memory_cap_gib * 2**30)
   table = report.table(capacity)
   fits = report.fits(capacity) and planner_error is None
   plan_memory = _plan_memory(hybrid.plan, report)
@@ -107,7 +109,9 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
   peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
   over = [d for d, b in enumerate(peaks) if b > capacity] or list(range(len(peaks) or 1))
   return (f"does not fit: model-axis device(s) {', '.join(map(str, over))} need "
-          f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB; try more model devices "
+          f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB"
+          + (" (--memory_cap_gib)" if getattr(config, "memory_cap_gib", None) else "")
+          + "; try more model devices "
           f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch}) or more --microbatches "
           f"(now {config.microbatches})"
           + (", or --zero=1 (optimizer state sharded over the data replicas)"

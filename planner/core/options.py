@@ -182,6 +182,10 @@ class PlannerOptions:
   # `parallelize` keeps a sharded plan over the placement-only one when it is at most this much
   # slower and needs less memory per device. 0: the fastest plan only.
   spread_tolerance: float = 0.02
+  # Placements (node -> device) that seed the lock-step search besides the fused search's: the
+  # plan is then never priced above the best of them (`parallelize` passes the placement-only
+  # plan, mapped onto the sharded graph).
+  seed_assignments: tuple[tuple[int, ...], ...] = ()
 
   @property
   def work_limited(self) -> bool:
