@@ -256,3 +256,35 @@ def test_a_seed_placement_of_the_wrong_size_is_refused():
     planner.place_problem(prob, opts)
   ok = dataclasses.replace(opts, seed_assignments=((0, 0, 0, 0, 1),))
   assert planner.place_problem(prob, ok).lockstep_step_s > 0
+
+
+class ConvNet(nnx.Module):
+  def __init__(self, *, rngs):
+    self.c1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.c2 = nnx.Conv(8, 6, (3, 3), strides=2, rngs=rngs)
+    self.head = nnx.Linear(6, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.c2(jax.nn.relu(self.c1(x))))
+    return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+def conv_loss(m, b):
+  return jnp.mean((m(b["x"])[:, 0] - b["y"]) ** 2)
+
+
+def test_convolution_kernels_split_on_output_features_match_reference():
+  r = np.random.default_rng(0)
+  batch = {"x": jnp.asarray(r.normal(size=(8, 8, 8, 3)), jnp.float32),
+           "y": jnp.asarray(r.normal(size=(8,)), jnp.float32)}
+  model, opt = ConvNet(rngs=nnx.Rngs(0)), optax.adam(1e-2)
+  m = mesh_lib.make("1x2")
+  spec, per_example = microbatch_spec(batch, 8, 4)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, conv_loss)
+  g, report = shard.shard_leaves(graph_lib.trace_function(pure, p, s, spec), 2, min_fraction=0.2)
+  got = {x.path.split("'")[1]: (x.rule, x.axis) for x in report.shards}
+  assert got == {"c1": ("column", 3), "c2": ("column", 3)}  # HWIO kernels: O is axis 3
+  prog = program_lib.HybridProgram.build(
+    g, m, opt, [int(n.name.endswith("shard1")) for n in g.nodes], microbatches=2, state=s,
+    per_example=per_example)
+  assert_matches_reference(prog, p, s, pure, batch, opt)

@@ -25,7 +25,9 @@ Rules (`RULES`), decided per reader equation from the jaxpr:
   the row, the others are zeros). The gradient of a piece is the scatter-add of its own rows.
 - ``column``: a `dot_general` with the leaf as one operand, split along one of its free
   (non-contracting, non-batch) dimensions (a dense layer's output units, a vocabulary
-  projection's words). Shard d computes its slice of the output; the post node concatenates.
+  projection's words), or an ungrouped convolution with the leaf as its kernel, split along the
+  kernel's output features. Shard d computes its slice of the output; the post node
+  concatenates.
 
 All readers of a leaf must sit in one node and agree on the split axis (a table both looked up
 and used as the output projection, split along the vocabulary, qualifies). A leaf read any other
@@ -137,6 +139,17 @@ def _inline(eqns: Sequence[Any], want: set[Any]) -> tuple[list[Any], dict[Any, A
   return walk(list(eqns)), alias
 
 
+def _free_axes(eqn: Any, v: Any) -> set[int]:
+  """The leaf's axes a column reader may split: a dot_general's free (non-contracting,
+  non-batch) dimensions of `v`; a convolution's kernel output-feature dimension."""
+  if eqn.primitive.name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract, batch = (lc, lb) if eqn.invars[0] is v else (rc, rb)
+    return {i for i in range(len(v.aval.shape)) if i not in contract and i not in batch}
+  dn = eqn.params["dimension_numbers"]  # conv_general_dilated, the leaf its kernel
+  return {int(dn.rhs_spec[0])}
+
+
 def _reader_axis(eqn: Any, v: Any) -> tuple[str | None, int | None, str]:
   """(rule, axis of the leaf, reason) for one equation reading leaf variable `v`."""
   name = eqn.primitive.name
@@ -151,18 +164,23 @@ def _reader_axis(eqn: Any, v: Any) -> tuple[str | None, int | None, str]:
   if name == "dot_general":
     if eqn.invars[0] is v and eqn.invars[1] is v:
       return None, None, "a dot_general of the leaf with itself"
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    side = 0 if eqn.invars[0] is v else 1
-    contract, batch = (lc, lb) if side == 0 else (rc, rb)
-    free = [i for i in range(len(v.aval.shape)) if i not in contract and i not in batch]
+    free = _free_axes(eqn, v)
     if not free:
       return None, None, "a dot_general with no free dimension of the leaf"
     return "column", max(free, key=lambda i: (v.aval.shape[i], -i)), ""
+  if name == "conv_general_dilated":
+    if eqn.invars[1] is not v or eqn.invars[0] is v:
+      return None, None, "a convolution reads it as its input"
+    if eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1:
+      return None, None, "a grouped convolution"
+    return "column", int(eqn.params["dimension_numbers"].rhs_spec[0]), ""
   return None, None, f"read by {name}"
 
 
-def _dot_out_dim(eqn: Any, v: Any, axis: int) -> int:
-  """Position, in a dot_general's output, of the leaf's free dimension `axis`."""
+def _out_dim(eqn: Any, v: Any, axis: int) -> int:
+  """Position, in a column reader's output, of the leaf's split axis."""
+  if eqn.primitive.name == "conv_general_dilated":
+    return int(eqn.params["dimension_numbers"].out_spec[1])
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   ls, rs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
   lfree = [i for i in range(len(ls)) if i not in lc and i not in lb]
@@ -255,18 +273,12 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   if axes:
     axis = 0
     for (r, a), i in zip(kinds, readers):
-      if r == "column":
-        # a column reader must be able to split on axis 0 too
-        (lc, rc), (lb, rb) = eqns[i].params["dimension_numbers"]
-        contract, batch = (lc, lb) if eqns[i].invars[0] is leaf_var else (rc, rb)
-        if 0 in contract or 0 in batch:
-          return "looked up by rows and contracted over them"
+      if r == "column" and 0 not in _free_axes(eqns[i], leaf_var):
+        return "looked up by rows and contracted over them"
   else:
     cand = None
-    for (r, a), i in zip(kinds, readers):
-      (lc, rc), (lb, rb) = eqns[i].params["dimension_numbers"]
-      contract, batch = (lc, lb) if eqns[i].invars[0] is leaf_var else (rc, rb)
-      free = {j for j in range(len(leaf_var.aval.shape)) if j not in contract and j not in batch}
+    for i in readers:
+      free = _free_axes(eqns[i], leaf_var)
       cand = free if cand is None else cand & free
     if not cand:
       return "its readers share no free dimension"
@@ -319,7 +331,7 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
         partials.append(outs[0])
       else:
         out = e.outvars[0]
-        dim = _dot_out_dim(e, leaf_var, axis)
+        dim = _out_dim(e, leaf_var, axis)
         shape = list(out.aval.shape)
         shape[dim] = hi - lo
         pv = jex.core.Var(out.aval.update(shape=tuple(shape)))
@@ -331,7 +343,7 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     if e.primitive.name == "gather":
       closed = jax.make_jaxpr(lambda *ps: _sum(ps))(*avals)
     else:
-      dim = _dot_out_dim(e, leaf_var, axis)
+      dim = _out_dim(e, leaf_var, axis)
       closed = jax.make_jaxpr(lambda *ps, dim=dim: lax.concatenate(list(ps), dim))(*avals)
     body, _ = _splice(closed, partials, [out])
     combine.extend(body)
