@@ -81,8 +81,10 @@ def _task_gantt(plan: Plan, path, plt, scale: float, max_labels: int) -> None:
   ax.set_yticklabels([f"device {d}" for d in range(plan.devices)])
   ax.invert_yaxis()
   ax.set_xlabel("time (ms); colour = micro-batch; plain F, // B, xx W")
-  ax.set_title(f"{ts.kind} task schedule of {plan.method}: {end * scale:.3f} ms "
-               f"(asynchronous, from the plan's node times)")
+  predicted = (f"predicted step {plan.lockstep_step_s * scale:.3f} ms (lock-step); "
+               if plan.lockstep_step_s else "")
+  ax.set_title(f"{ts.kind} task schedule of {plan.method}: {predicted}tasks drawn as run "
+               f"asynchronously, {end * scale:.3f} ms", fontsize=9)
   fig.tight_layout()
   fig.savefig(os.fspath(path), dpi=120)
   plt.close(fig)
