@@ -17,6 +17,16 @@ if "JAXHYBRID_PROFILE_CACHE" not in os.environ:
   import tempfile
 
   os.environ["JAXHYBRID_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="jaxhybrid-test-profiles-")
+  # A fixed CPU spec (figures of one measurement on the 2-core CI machine kind), so that the
+  # analytic CPU costs, and with them the plans and how long their searches take, do not depend
+  # on how busy the machine is while a test process measures it (measured 172-204 GFLOP/s in
+  # one afternoon; the same test then planned in 16 s or 128 s).
+  import json
+
+  with open(os.path.join(os.environ["JAXHYBRID_PROFILE_CACHE"], "hardware-cpu-cpu.json"), "w") as f:
+    json.dump({"schema": 1, "device_kind": "cpu", "flops": 190e9, "mem_bw": 36.5e9,
+               "link_bw": 18.25e9, "t_op": 5.7e-6, "n": 512, "reps": 5, "copy_bytes": 2**25,
+               "t_mm": 2 * 512**3 / 190e9, "t_copy": 2**26 / 36.5e9}, f)
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags = f"{_flags} {COMPILE_FLAGS}"
