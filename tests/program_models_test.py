@@ -110,7 +110,8 @@ def check(name, mesh_spec, k, planner, max_nodes=None, schedule="1f1b", override
 
 
 # Sequence models: every mesh, MILP and heuristic plans, the three task schedules (GNMT's 2x1
-# case, data parallel only and the slowest 2x1 compile, under the slow marker).
+# case, data parallel only and the slowest 2x1 compile, and its 4x2 case, the 2x2 one with more
+# data replicas, under the slow marker).
 _SEQ_CASES = [
   ("2x1", 2, "etf", "zb"), ("1x2", 2, "milp", "1f1b"), ("1x2", 1, "etf", "gpipe"),
   ("2x2", 2, "milp", "zb"), ("4x2", 2, "milp", "1f1b"),
@@ -119,7 +120,7 @@ _SEQ_CASES = [
 
 @pytest.mark.parametrize(
   "name,mesh_spec,k,planner,schedule",
-  [pytest.param(n, *c, marks=pytest.mark.slow if (n, c[0]) == ("gnmt", "2x1") else ())
+  [pytest.param(n, *c, marks=pytest.mark.slow if (n, c[0]) in (("gnmt", "2x1"), ("gnmt", "4x2")) else ())
    for c in _SEQ_CASES for n in ("gnmt", "biglstm")],
 )
 def test_sequence_models_match_reference(name, mesh_spec, k, planner, schedule):
@@ -146,7 +147,8 @@ def test_sequence_models_match_reference_more(name, mesh_spec, k, planner, sched
 
 
 # Inception's task-scheduled program compiles slowly on CPU (50-200 s per case): one case (2x2,
-# ZB, the default schedule, with a data axis) in the default run, the others under the slow marker.
+# ZB, the default schedule, with a data axis) in the default run, the others under the slow
+# marker; the graph is cut to 8 nodes (16: 107-126 s in the suite; 8: 67 s alone).
 @pytest.mark.parametrize(
   "mesh_spec,k,planner,schedule",
   [("2x2", 2, "milp", "zb"), pytest.param("2x2", 1, "milp", "1f1b", marks=pytest.mark.slow),
@@ -154,7 +156,7 @@ def test_sequence_models_match_reference_more(name, mesh_spec, k, planner, sched
    pytest.param("1x2", 2, "dp", "gpipe", marks=pytest.mark.slow)],
 )
 def test_inception_matches_reference(mesh_spec, k, planner, schedule):
-  check("inception_v3", mesh_spec, k, planner, max_nodes=16, schedule=schedule)
+  check("inception_v3", mesh_spec, k, planner, max_nodes=8, schedule=schedule)
 
 
 @pytest.mark.slow
