@@ -55,6 +55,9 @@ _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default: 3e-3 on
 _CLIP = flags.DEFINE_float("clip_norm", 0.0, "Clip gradients to this global norm over all devices (0: off).")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint every K steps (0: at the end only).")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+_PROJECTION = flags.DEFINE_boolean(
+  "projection", True, "Project DP against hybrid time-to-accuracy at scale after the run (it plans "
+  "the paper-size model); --noprojection skips it.")
 _COORD = flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
@@ -86,7 +89,7 @@ def main(argv):
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
       plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,
-      checkpoint_every=_CKPT_EVERY.value, progress=_PROGRESS.value,
+      checkpoint_every=_CKPT_EVERY.value, progress=_PROGRESS.value, projection=_PROJECTION.value,
       coordinator_address=_COORD.value, num_processes=_NPROC.value, process_id=_PID.value,
     )
     runner.setup_devices(config)  # before anything starts JAX

@@ -107,10 +107,14 @@ def _log_lines(text: str) -> list[str]:
 @pytest.mark.parametrize("verbosity", [0, 1])
 def test_planner_details_show_only_with_verbosity(verbosity, tmp_path):
   proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2", "--time_limit=4",
+                "--noprojection",
                 f"--progress={verbosity == 0}", f"--verbosity={verbosity}",
                 f"--workdir={tmp_path}", timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "Plan:" in proc.stdout and "loss" in proc.stdout and "step time:" in proc.stdout
+  # --noprojection: no projection table, no projection plot.
+  assert "projection.png" not in proc.stdout and "crossover" not in proc.stdout
+  assert not (tmp_path / "projection.png").exists()
   logs = _log_lines(proc.stdout + proc.stderr)
   if verbosity == 0:
     # The plan and result summaries, nothing else: no planner detail, no JAX backend probing.
