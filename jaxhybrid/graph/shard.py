@@ -46,6 +46,7 @@ import jax.extend as jex
 import numpy as np
 from jax import lax
 
+from jaxhybrid.graph import shard_rules as rules_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
 from jaxhybrid.graph.opgraph import PARAM, Node, OpGraph, _edges, _wire
 
@@ -88,170 +89,6 @@ class ShardReport:
   skipped: tuple[tuple[str, str], ...]  # (leaf path, reason)
 
 
-def _fresh(v: Any) -> Any:
-  return jex.core.Var(v.aval)
-
-
-def _is_jit(eqn: Any) -> bool:
-  return eqn.primitive.name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params
-
-
-def _inline(eqns: Sequence[Any], want: set[Any]) -> tuple[list[Any], dict[Any, Any]]:
-  """`eqns` with every jit equation that reads a variable of `want` replaced by its body (fresh
-  variables inside), repeatedly, so the readers of `want` are primitive equations. Returns the
-  equations and the aliases: each removed jit output -> the value that now stands for it."""
-  alias: dict[Any, Any] = {}
-
-  def sub_all(e):
-    if not alias:
-      return e
-    return e.replace(invars=[alias.get(v, v) if isinstance(v, jex.core.Var) else v
-                             for v in e.invars])
-
-  def walk(seq):
-    out = []
-    for e in seq:
-      e = sub_all(e)
-      closed = e.params.get("jaxpr") if _is_jit(e) else None
-      inner = getattr(closed, "jaxpr", closed)
-      if (closed is None or not any(v in want for v in e.invars if isinstance(v, jex.core.Var))
-          or inner.constvars or getattr(closed, "consts", ())):
-        out.append(e)  # not a reader (or a body with constants: it stays whole)
-        continue
-      sub: dict[Any, Any] = dict(zip(inner.invars, e.invars))
-      body = []
-      for ie in inner.eqns:
-        ins = [sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in ie.invars]
-        outs = []
-        for v in ie.outvars:
-          if isinstance(v, jex.core.DropVar):
-            outs.append(v)
-          else:
-            sub[v] = nv = _fresh(v)
-            outs.append(nv)
-        body.append(ie.replace(invars=ins, outvars=outs))
-      out.extend(walk(body))
-      for ov, iv in zip(e.outvars, inner.outvars):
-        if not isinstance(ov, jex.core.DropVar):
-          alias[ov] = sub.get(iv, iv) if isinstance(iv, jex.core.Var) else iv
-    return out
-
-  return walk(list(eqns)), alias
-
-
-def _free_axes(eqn: Any, v: Any) -> set[int]:
-  """The leaf's axes a column reader may split: a dot_general's free (non-contracting,
-  non-batch) dimensions of `v`; a convolution's kernel output-feature dimension."""
-  if eqn.primitive.name == "dot_general":
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    contract, batch = (lc, lb) if eqn.invars[0] is v else (rc, rb)
-    return {i for i in range(len(v.aval.shape)) if i not in contract and i not in batch}
-  dn = eqn.params["dimension_numbers"]  # conv_general_dilated, the leaf its kernel
-  return {int(dn.rhs_spec[0])}
-
-
-def _reader_axis(eqn: Any, v: Any) -> tuple[str | None, int | None, str]:
-  """(rule, axis of the leaf, reason) for one equation reading leaf variable `v`."""
-  name = eqn.primitive.name
-  if name == "gather":
-    if eqn.invars[0] is not v or eqn.invars[1] is v:
-      return None, None, "a gather reads it as indices"
-    dn = eqn.params["dimension_numbers"]
-    if (tuple(dn.start_index_map) != (0,) or 0 not in tuple(dn.collapsed_slice_dims)
-        or tuple(dn.operand_batching_dims)):
-      return None, None, "a gather that is not a lookup of rows (axis 0)"
-    return "lookup", 0, ""
-  if name == "dot_general":
-    if eqn.invars[0] is v and eqn.invars[1] is v:
-      return None, None, "a dot_general of the leaf with itself"
-    free = _free_axes(eqn, v)
-    if not free:
-      return None, None, "a dot_general with no free dimension of the leaf"
-    return "column", max(free, key=lambda i: (v.aval.shape[i], -i)), ""
-  if name == "conv_general_dilated":
-    if eqn.invars[1] is not v or eqn.invars[0] is v:
-      return None, None, "a convolution reads it as its input"
-    if eqn.params["feature_group_count"] != 1 or eqn.params["batch_group_count"] != 1:
-      return None, None, "a grouped convolution"
-    return "column", int(eqn.params["dimension_numbers"].rhs_spec[0]), ""
-  return None, None, f"read by {name}"
-
-
-def _out_dim(eqn: Any, v: Any, axis: int) -> int:
-  """Position, in a column reader's output, of the leaf's split axis."""
-  if eqn.primitive.name == "conv_general_dilated":
-    return int(eqn.params["dimension_numbers"].out_spec[1])
-  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  ls, rs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-  lfree = [i for i in range(len(ls)) if i not in lc and i not in lb]
-  rfree = [i for i in range(len(rs)) if i not in rc and i not in rb]
-  if eqn.invars[0] is v:
-    return len(lb) + lfree.index(axis)
-  return len(lb) + len(lfree) + rfree.index(axis)
-
-
-def _splice(closed: Any, ins: Sequence[Any], outs: Sequence[Any] | None = None) -> tuple[list, list]:
-  """The equations of a freshly traced jaxpr with its inputs read from `ins` (and its outputs
-  written to `outs` when given); returns (equations, output variables)."""
-  jaxpr = closed.jaxpr
-  if jaxpr.constvars or closed.consts:
-    raise RuntimeError("internal: a shard rewrite traced a constant")
-  sub = dict(zip(jaxpr.invars, ins))
-  if outs is not None:
-    for ov, target in zip(jaxpr.outvars, outs):
-      if ov in sub or not isinstance(ov, jex.core.Var):
-        raise RuntimeError("internal: a shard rewrite's output is one of its inputs")
-      sub[ov] = target
-  eqns = []
-  for e in jaxpr.eqns:
-    eqns.append(e.replace(
-      invars=[sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in e.invars],
-      outvars=[sub.get(v, v) if isinstance(v, jex.core.Var) else v for v in e.outvars],
-    ))
-  return eqns, [sub.get(v, v) for v in jaxpr.outvars]
-
-
-def _lookup_partial(eqn: Any, lo: int, hi: int, rows: int, first: bool):
-  """A function (piece, indices) -> the gather's result restricted to rows [lo, hi), zeros for
-  ids outside (and, on the first piece, the gather's fill for ids outside the whole table)."""
-  p = eqn.params
-  dn = p["dimension_numbers"]
-  mode = p["mode"]
-  out_aval = eqn.outvars[0].aval
-  batch_dims = tuple(i for i in range(len(out_aval.shape)) if i not in tuple(dn.offset_dims))
-  fill_mode = "FILL" in str(mode)
-
-  def f(piece, idx):
-    if not fill_mode:  # clip (or promised in bounds): the id the whole table would read
-      idx = lax.clamp(np.asarray(0, idx.dtype), idx, np.asarray(rows - 1, idx.dtype))
-    local = idx - np.asarray(lo, idx.dtype)
-    inside = (local >= 0) & (local < hi - lo)
-    inside = inside[..., 0]
-    got = lax.gather(
-      piece, lax.clamp(np.asarray(0, idx.dtype), local, np.asarray(hi - lo - 1, idx.dtype)),
-      dimension_numbers=dn, slice_sizes=(1,) + tuple(p["slice_sizes"][1:]),
-      indices_are_sorted=p["indices_are_sorted"], unique_indices=p["unique_indices"],
-      mode=lax.GatherScatterMode.CLIP,
-    )
-    zero = lax.full_like(got, 0)
-    mask = lax.broadcast_in_dim(inside, got.shape, batch_dims)
-    out = lax.select(mask, got, zero)
-    if fill_mode and first:
-      outside = ((idx < 0) | (idx > rows - 1))[..., 0]
-      fv = p["fill_value"]
-      if fv is None:
-        fv = np.nan if np.issubdtype(np.dtype(got.dtype), np.inexact) else 0
-      out = lax.select(lax.broadcast_in_dim(outside, got.shape, batch_dims),
-                       lax.full_like(got, fv), out)
-    return out
-
-  return f
-
-
-def _split_bounds(size: int, m: int) -> tuple[int, ...]:
-  return tuple((d * size) // m for d in range(m + 1))
-
-
 def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str], path: str,
                   user_leaf: int) -> tuple[OpGraph, LeafShard] | str:
   """The graph with one leaf split, or the reason it cannot be."""
@@ -259,11 +96,11 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   if len(owners) != 1:
     return f"read by {len(owners)} nodes"
   node = owners[0]
-  eqns, alias = _inline(node.eqns, {leaf_var})
+  eqns, alias = rules_lib.inline(node.eqns, {leaf_var})
   readers = [i for i, e in enumerate(eqns) if any(v is leaf_var for v in e.invars)]
   kinds = []
   for i in readers:
-    rule, axis, why = _reader_axis(eqns[i], leaf_var)
+    rule, axis, why = rules_lib.reader_axis(eqns[i], leaf_var)
     if rule is None:
       return why
     if rule not in rules:
@@ -273,12 +110,12 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   if axes:
     axis = 0
     for (r, a), i in zip(kinds, readers):
-      if r == "column" and 0 not in _free_axes(eqns[i], leaf_var):
+      if r == "column" and 0 not in rules_lib.free_axes(eqns[i], leaf_var):
         return "looked up by rows and contracted over them"
   else:
     cand = None
     for i in readers:
-      free = _free_axes(eqns[i], leaf_var)
+      free = rules_lib.free_axes(eqns[i], leaf_var)
       cand = free if cand is None else cand & free
     if not cand:
       return "its readers share no free dimension"
@@ -287,7 +124,7 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   if size < devices:
     return f"dimension {axis} ({size}) is shorter than the {devices} devices"
   rule_name = "+".join(sorted({r for r, _ in kinds}))
-  bounds = _split_bounds(size, devices)
+  bounds = rules_lib.split_bounds(size, devices)
   reader_set = set(readers)
 
   # pre: the node's equations the readers depend on (besides the leaf).
@@ -321,17 +158,17 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     for d in range(devices):
       lo, hi = bounds[d], bounds[d + 1]
       if e.primitive.name == "gather":
-        fn = _lookup_partial(e, lo, hi, size, first=(d == 0))
+        fn = rules_lib.lookup_partial(e, lo, hi, size, first=(d == 0))
         idx = e.invars[1]
         closed = jax.make_jaxpr(fn)(
           jax.ShapeDtypeStruct(pieces[d].aval.shape, pieces[d].aval.dtype),
           jax.ShapeDtypeStruct(idx.aval.shape, idx.aval.dtype))
-        body, outs = _splice(closed, [pieces[d], idx])
+        body, outs = rules_lib.splice(closed, [pieces[d], idx])
         shard_eqns[d].extend(body)
         partials.append(outs[0])
       else:
         out = e.outvars[0]
-        dim = _out_dim(e, leaf_var, axis)
+        dim = rules_lib.out_dim(e, leaf_var, axis)
         shape = list(out.aval.shape)
         shape[dim] = hi - lo
         pv = jex.core.Var(out.aval.update(shape=tuple(shape)))
@@ -341,11 +178,11 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     out = e.outvars[0]
     avals = [jax.ShapeDtypeStruct(p.aval.shape, p.aval.dtype) for p in partials]
     if e.primitive.name == "gather":
-      closed = jax.make_jaxpr(lambda *ps: _sum(ps))(*avals)
+      closed = jax.make_jaxpr(lambda *ps: rules_lib.sum_all(ps))(*avals)
     else:
-      dim = _out_dim(e, leaf_var, axis)
+      dim = rules_lib.out_dim(e, leaf_var, axis)
       closed = jax.make_jaxpr(lambda *ps, dim=dim: lax.concatenate(list(ps), dim))(*avals)
-    body, _ = _splice(closed, partials, [out])
+    body, _ = rules_lib.splice(closed, partials, [out])
     combine.extend(body)
 
   pre_eqns = [e for i, e in enumerate(eqns) if i in pre]
@@ -416,13 +253,6 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     param_paths=tuple(paths), param_split=tuple(split), shards=g.shards + (info,),
   )
   return new, info
-
-
-def _sum(xs):
-  total = xs[0]
-  for x in xs[1:]:
-    total = total + x
-  return total
 
 
 def shard_leaves(
@@ -525,13 +355,6 @@ def join_leaves(g: OpGraph, leaves: Sequence[Any]) -> list[Any]:
       xs = [x for _, x in sorted(parts[user], key=lambda t: t[0])]
       out.append(np.concatenate([np.asarray(x) for x in xs], axis=axes[user]))
   return out
-
-
-def user_param_count(g: OpGraph) -> int:
-  """Number of the user's parameter leaves."""
-  if not g.param_split:
-    return len(g.param_avals)
-  return 1 + max(u for u, *_ in g.param_split)
 
 
 def sharded_bytes(g: OpGraph) -> int:
