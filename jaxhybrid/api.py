@@ -336,15 +336,12 @@ def parallelize(
   # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
   g_traced = g
   if plan is not None:
-    g = shard_lib.apply(
-      g, model_ax, [shard_lib.LeafShard.from_json(x) for x in getattr(plan, "shards", ())])
+    g = shard_lib.apply(g, model_ax, getattr(plan, "shards", ()))
   elif model_ax > 1:
     popts = planner_lib.PlannerOptions(devices=model_ax).replace(**{
       k: v for k, v in (planner_options or {}).items() if k in ("shard_rules", "shard_min_fraction")})
-    g, shard_report = shard_lib.shard_leaves(
+    g, _ = shard_lib.shard_leaves(
       g, model_ax, rules=tuple(popts.shard_rules), min_fraction=popts.shard_min_fraction)
-    for path, why in shard_report.skipped:
-      log.info("leaf %s is not offered for sharding: %s", path, why)
   c = costs if costs is not None else default_costs(hardware)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
@@ -357,7 +354,8 @@ def parallelize(
       # The planner picks the schedule of the kind the program is asked to run (plus order).
       opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
     if g.shards:
-      plan, g = _place_shard_or_whole(planner_lib, g, g_traced, c, model_ax, opts)
+      plan, sharded = planner_lib.place_shard_or_whole(g, g_traced, c, model_ax, **opts)
+      g = g if sharded else g_traced
     else:
       plan = planner_lib.place(g, c, devices=model_ax, **opts)
     plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=True)
@@ -366,8 +364,7 @@ def parallelize(
       # Every process must run the same program: time-limited searches (and ties) can differ
       # between processes, and different plans would deadlock in the first collective.
       plan = planner_lib.Plan.from_json(broadcast_text(plan.to_json()))
-      g = shard_lib.apply(
-        g_traced, model_ax, [shard_lib.LeafShard.from_json(x) for x in plan.shards])
+      g = shard_lib.apply(g_traced, model_ax, plan.shards)
   elif getattr(plan, "graph_fingerprint", g.fingerprint()) != g.fingerprint():
     raise ValueError(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
@@ -403,52 +400,6 @@ def parallelize(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
     reference_loss=reference, check=check,
   )
-
-
-def _step_price(plan: Any) -> float:
-  return plan.lockstep_step_s or plan.predicted_step_s
-
-
-def _peak(plan: Any) -> float:
-  return max(plan.device_peak_bytes or plan.device_memory() or (0.0,))
-
-
-def _place_shard_or_whole(planner_lib, g, g_whole, costs, devices: int, opts: dict[str, Any]):
-  """Plans the graph with shard options and the graph with every leaf whole, each in half the
-  time limit, and keeps the sharded plan (with its graph) when it is faster, or at most
-  `spread_tolerance` slower with less memory per device. Sharding must earn its place: the
-  larger problem's search can end above the placement-only optimum. A problem only the sharded
-  graph fits is planned sharded."""
-  limit = opts.get("time_limit_s", planner_lib.PlannerOptions().time_limit_s)
-  half = dict(opts, time_limit_s=limit / 2)
-  try:
-    whole = planner_lib.place(g_whole, costs, devices=devices, **half)
-  except planner_lib.InfeasibleError:
-    whole = None
-  seeds = tuple(half.get("seed_assignments", ()))
-  if whole is not None:  # the whole plan, mapped onto the sharded graph, seeds its search
-    where = dict(zip(whole.node_names, whole.assignment))
-    seeds += (tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
-                    for n in g.nodes),)
-  try:
-    sharded = planner_lib.place(g, costs, devices=devices, **dict(half, seed_assignments=seeds))
-  except planner_lib.InfeasibleError:
-    if whole is None:
-      raise
-    return whole, g_whole
-  if whole is None:
-    return sharded, g
-  tol = planner_lib.PlannerOptions().replace(
-    **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
-  if sharded is not None and (
-      _step_price(sharded) < _step_price(whole)
-      or (_step_price(sharded) <= _step_price(whole) * (1 + tol)
-          and _peak(sharded) < _peak(whole))):
-    return sharded, g
-  if sharded is not None:
-    log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
-             _step_price(sharded), _step_price(whole))
-  return whole, g_whole
 
 
 def reference_step(whole_batch_graph: graph_lib.OpGraph, costs: Any) -> dict[str, Any]:

@@ -8,13 +8,15 @@ One sub-package per layer; each may import only the layers listed before it:
   solvers       MILP and CP-SAT models, the exact decomposition, MILP-relaxation bounds;
   output        the Plan artifact (JSON, summary) and its Gantt chart.
 The orchestration sits at the top and may import every layer: `place` (placement and node
-schedule, with k micro-batches) and `place_lockstep` (the F/B/W task schedule the program runs).
+schedule, with k micro-batches), `place_lockstep` (the F/B/W task schedule the program runs) and
+`place_shards` (a graph with split leaves against the same graph whole).
 """
 
 from jaxhybrid.planner.lower_bounds.bounds import lower_bound
 from jaxhybrid.planner.output.gantt import gantt
 from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.place import place, place_problem, reprice
+from jaxhybrid.planner.place_shards import place_shard_or_whole
 from jaxhybrid.planner.output.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.core.problem import Problem
 from jaxhybrid.planner.core.schedule import Task, Transfer, validate_schedule
@@ -33,6 +35,7 @@ __all__ = [
   "lower_bound",
   "place",
   "place_problem",
+  "place_shard_or_whole",
   "reprice",
   "validate_schedule",
 ]

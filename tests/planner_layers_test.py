@@ -50,7 +50,7 @@ def test_every_module_lives_in_a_layer_and_flat_names_still_resolve():
   from jaxhybrid import planner
 
   top = {p.stem for p in PLANNER.glob("*.py")} - {"__init__"}
-  assert top == {"place", "place_lockstep"}, top
+  assert top == {"place", "place_lockstep", "place_shards"}, top
   for flat, layer in planner._LAYER_OF.items():  # noqa: SLF001
     assert (PLANNER / layer / f"{flat}.py").exists(), (flat, layer)
     if flat.endswith("_worker"):

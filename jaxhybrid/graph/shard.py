@@ -37,6 +37,7 @@ way is not offered (`ShardReport.skipped` says why).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +50,8 @@ from jax import lax
 from jaxhybrid.graph import shard_rules as rules_lib
 from jaxhybrid.graph.eqn_costs import aval_bytes
 from jaxhybrid.graph.opgraph import PARAM, Node, OpGraph, _edges, _wire
+
+log = logging.getLogger(__name__)
 
 RULES = ("lookup", "column")
 # Assumption (named here): a leaf is offered for sharding when it holds at least this fraction of
@@ -301,6 +304,7 @@ def shard_leaves(
     if isinstance(got, str):
       if leaves is not None:
         raise ValueError(f"cannot shard parameter {path}: {got}")
+      log.info("leaf %s is not offered for sharding: %s", path, got)
       skipped.append((path, got))
       continue
     g, info = got
@@ -308,10 +312,12 @@ def shard_leaves(
   return g, ShardReport(tuple(shards), tuple(skipped))
 
 
-def apply(g: OpGraph, devices: int, shards: Sequence[LeafShard]) -> OpGraph:
-  """The graph a plan with these shards was made for (the same leaves split the same way)."""
+def apply(g: OpGraph, devices: int, shards: Sequence[LeafShard | dict]) -> OpGraph:
+  """The graph a plan with these shards (`LeafShard`s or their JSON, as `Plan.shards` holds them)
+  was made for: the same leaves split the same way."""
   if not shards:
     return g
+  shards = [s if isinstance(s, LeafShard) else LeafShard.from_json(s) for s in shards]
   got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards])
   want = [(s.path, s.axis, tuple(s.bounds)) for s in shards]
   have = [(s.path, s.axis, tuple(s.bounds)) for s in got.shards]

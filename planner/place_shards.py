@@ -1,0 +1,59 @@
+"""Shard or whole: plan a graph with split leaves and the same graph with every leaf whole, and
+keep the better plan (`jaxhybrid.graph.shard` makes the split graph; `jaxhybrid.parallelize`
+calls this)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
+from jaxhybrid.planner.output.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def _step_price(plan: Plan) -> float:
+  return plan.lockstep_step_s or plan.predicted_step_s
+
+
+def _peak(plan: Plan) -> float:
+  return max(plan.device_peak_bytes or plan.device_memory() or (0.0,))
+
+
+def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts: Any) -> tuple[Plan, bool]:
+  """Plans the graph with shard options and the graph with every leaf whole, each in half the
+  time limit, and keeps the sharded plan (with its graph) when it is faster, or at most
+  `spread_tolerance` slower with less memory per device. Sharding must earn its place: the
+  larger problem's search can end above the placement-only optimum. A problem only the sharded
+  graph fits is planned sharded. Returns (plan, whether it is the sharded graph's)."""
+  from jaxhybrid import planner  # through the package, as callers (and tests) see `place`
+
+  place = planner.place
+  limit = opts.get("time_limit_s", PlannerOptions().time_limit_s)
+  half = dict(opts, time_limit_s=limit / 2)
+  try:
+    whole = place(g_whole, costs, devices=devices, **half)
+  except InfeasibleError:
+    whole = None
+  seeds = tuple(half.get("seed_assignments", ()))
+  if whole is not None:  # the whole plan, mapped onto the sharded graph, seeds its search
+    where = dict(zip(whole.node_names, whole.assignment))
+    seeds += (tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
+                    for n in g.nodes),)
+  try:
+    sharded = place(g, costs, devices=devices, **dict(half, seed_assignments=seeds))
+  except InfeasibleError:
+    if whole is None:
+      raise
+    return whole, False
+  if whole is None:
+    return sharded, True
+  tol = PlannerOptions().replace(
+    **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
+  if (_step_price(sharded) < _step_price(whole)
+      or (_step_price(sharded) <= _step_price(whole) * (1 + tol) and _peak(sharded) < _peak(whole))):
+    return sharded, True
+  log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
+           _step_price(sharded), _step_price(whole))
+  return whole, False
