@@ -29,6 +29,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
 from jaxhybrid.graph import shard as shard_lib
+from jaxhybrid.program import fit as fit_lib
 from jaxhybrid.program import structure
 
 log = logging.getLogger(__name__)
@@ -107,12 +108,15 @@ class PlanCheck:
   plan_step_s: float
   # Lock-step price of every node on model-axis device 0 (the single-device program).
   single_step_s: float
-  # The planner's own (asynchronous schedule) prediction for its plan.
+  # The plan's predicted step as the planner reported it (`Plan.predicted_step_s`).
   planner_step_s: float
   # True when the planner's plan priced slower than one device and the hybrid runs on one.
   fell_back: bool
   # The planner's plan, kept even when the hybrid fell back to one device.
   planned: Any = None
+  # The checks of the built program's predicted memory against the cap, in order (more than
+  # one: the plan was re-made under lower planner caps; `jaxhybrid.program.fit`).
+  memory_refits: tuple[Any, ...] = ()
 
   @property
   def speedup(self) -> float:
@@ -345,6 +349,45 @@ def parallelize(
   c = costs if costs is not None else default_costs(hardware)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
+  def planned(opts: dict[str, Any]) -> tuple[graph_lib.OpGraph, Any, PlanCheck | None]:
+    g_ = g
+    if g_.shards:
+      plan_, sharded = planner_lib.place_shard_or_whole(g_, g_traced, c, model_ax, **opts)
+      g_ = g_ if sharded else g_traced
+    else:
+      plan_ = planner_lib.place(g_, c, devices=model_ax, **opts)
+    plan_, check_ = _check_plan(g_, plan_, c, model_ax, microbatches, prog_opts, fall_back=True)
+    plan_ = dataclasses.replace(plan_, shards=tuple(x.to_json() for x in g_.shards))
+    if jax.process_count() > 1:
+      # Every process must run the same program: time-limited searches (and ties) can differ
+      # between processes, and different plans would deadlock in the first collective.
+      plan_ = planner_lib.Plan.from_json(broadcast_text(plan_.to_json()))
+      g_ = shard_lib.apply(g_traced, model_ax, plan_.shards)
+    return g_, plan_, check_
+
+  def build(g_: graph_lib.OpGraph, plan_: Any) -> tuple[Any, Any]:
+    kw = dict(prog_opts)
+    if plan_.task_schedule and "schedule" not in kw:
+      kw["schedule"] = plan_.task_schedule  # the schedule a saved plan was run with
+    elif (isinstance(plan_.task_schedule, planner_lib.TaskSchedule)
+          and kw.get("schedule") == plan_.task_schedule.kind):
+      kw["schedule"] = plan_.task_schedule  # the planned schedule of the asked kind
+    order = structure.plan_order(plan_.schedule)
+    try:
+      prog_ = program_lib.HybridProgram.build(
+        g_, m, optimizer, plan_.assignment, microbatches=microbatches, order=order or None,
+        state=state_leaves, per_example=per_example, remat=remat, **kw,
+      )
+    except ValueError as e:
+      raise ValueError(f"{e}") from None
+    # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
+    # its lock-step price and memory are those of that schedule.
+    if plan_.lockstep_step_s and prog_.schedule != plan_.task_schedule:
+      popts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches).replace(
+        **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
+      plan_ = planner_lib.reprice(plan_, planner_lib.Problem.from_graph(g_, c, popts), prog_.schedule)
+    return dataclasses.replace(plan_, task_schedule=prog_.schedule), prog_
+
   check = None
   if plan is None:
     opts = dict(planner_options or {})
@@ -353,18 +396,20 @@ def parallelize(
     if isinstance(prog_opts.get("schedule"), str):
       # The planner picks the schedule of the kind the program is asked to run (plus order).
       opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
-    if g.shards:
-      plan, sharded = planner_lib.place_shard_or_whole(g, g_traced, c, model_ax, **opts)
-      g = g if sharded else g_traced
-    else:
-      plan = planner_lib.place(g, c, devices=model_ax, **opts)
-    plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=True)
-    plan = dataclasses.replace(plan, shards=tuple(x.to_json() for x in g.shards))
-    if jax.process_count() > 1:
-      # Every process must run the same program: time-limited searches (and ties) can differ
-      # between processes, and different plans would deadlock in the first collective.
-      plan = planner_lib.Plan.from_json(broadcast_text(plan.to_json()))
-      g = shard_lib.apply(g_traced, model_ax, plan.shards)
+    g, plan, check = planned(opts)
+    plan, prog = build(g, plan)
+    if model_ax > 1:
+      # The cap holds for what the program allocates (row padding, group buffers), which the
+      # planner's per-device count leaves out: re-plan under lower caps while it is above.
+      def replan(caps: tuple[float, ...]) -> tuple[Any, Any]:
+        nonlocal check
+        g_, plan_, check = planned({**opts, "memory_caps_bytes": caps})
+        return build(g_, plan_)
+
+      plan, prog, refits = fit_lib.refit(plan, prog, replan)
+      g = prog.graph
+      if check is not None and refits:
+        check = dataclasses.replace(check, memory_refits=tuple(refits))
   elif getattr(plan, "graph_fingerprint", g.fingerprint()) != g.fingerprint():
     raise ValueError(
       f"the plan was made for graph {plan.graph_fingerprint}, this model traces to "
@@ -372,26 +417,7 @@ def parallelize(
     )
   else:
     plan, check = _check_plan(g, plan, c, model_ax, microbatches, prog_opts, fall_back=False)
-  order = structure.plan_order(plan.schedule)
-  if plan.task_schedule and "schedule" not in prog_opts:
-    prog_opts["schedule"] = plan.task_schedule  # the schedule a saved plan was run with
-  elif (isinstance(plan.task_schedule, planner_lib.TaskSchedule)
-        and prog_opts.get("schedule") == plan.task_schedule.kind):
-    prog_opts["schedule"] = plan.task_schedule  # the planned schedule of the asked kind
-  try:
-    prog = program_lib.HybridProgram.build(
-      g, m, optimizer, plan.assignment, microbatches=microbatches, order=order or None,
-      state=state_leaves, per_example=per_example, remat=remat, **prog_opts,
-    )
-  except ValueError as e:
-    raise ValueError(f"{e}") from None
-  # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
-  # its lock-step price and memory are those of that schedule.
-  if plan.lockstep_step_s and prog.schedule != plan.task_schedule:
-    opts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches).replace(
-      **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
-    plan = planner_lib.reprice(plan, planner_lib.Problem.from_graph(g, c, opts), prog.schedule)
-  plan = dataclasses.replace(plan, task_schedule=prog.schedule)
+    plan, prog = build(g, plan)
   if model_ax > 1:
     g_whole = g if microbatches == 1 else trace_at(
       microbatch_spec(sample_batch, global_batch, global_batch // data, per_example)[0])
@@ -487,7 +513,7 @@ def _check_plan(
     what = "running everything on model-axis device 0" if fall_back else "keeping the given plan"
     msg = (
       f"the plan (method {plan.method}, predicted "
-      f"{plan.predicted_step_s * 1e3:.3g} ms by its own schedule) runs in "
+      f"{plan.predicted_step_s * 1e3:.3g} ms by the planner) runs in "
       f"{t_plan * 1e3:.3g} ms per step as the program runs it (lock step), slower than one "
       f"device ({t_single * 1e3:.3g} ms): {what}"
     )

@@ -62,7 +62,7 @@ def run(config: Any) -> dict[str, Any]:
     capacity = min(capacity, config.memory_cap_gib * 2**30)
   table = report.table(capacity)
   fits = report.fits(capacity) and planner_error is None
-  plan_memory = _plan_memory(hybrid.plan, report)
+  plan_memory = _plan_memory(hybrid.plan, report, getattr(hybrid.check, "memory_refits", ()))
   if plan_memory["lines"]:
     table = table + "\n" + "\n".join(plan_memory["lines"])
   results = {
@@ -118,22 +118,29 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
              if data > 1 and not getattr(config, "zero", 0) else ""))
 
 
-def _plan_memory(plan: Any, report: Any) -> dict[str, Any]:
+def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:
   """The planner's memory per device beside the program's compiled (and predicted) memory.
 
   The planner counts, per device, the static bytes of its nodes (parameters, optimizer state,
   gradient row) and the residuals alive over its task order (planner.price.peak_memory_bytes).
   The program is SPMD: its compiled figure is per device and the same on every model-axis device
   (rows padded to the largest device's), so each device's plan figure is compared with it.
+  `refits`: the checks of the program's predicted memory against the cap (`program.fit`); more
+  than one means the plan was re-made under lower planner caps.
   """
   peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
   compiled = report.compiled
   out: dict[str, Any] = {"planner_bytes": peaks, "compiled_bytes": compiled,
-                         "predicted_bytes": report.predicted, "lines": []}
+                         "predicted_bytes": report.predicted, "lines": [],
+                         "refits": [dataclasses.asdict(r) for r in refits]}
   if not peaks:
     return out
   gib = float(1 << 30)
   lines = ["planner memory per device (static + residuals over its task order) vs the program:"]
+  if len(refits) > 1:
+    lines.insert(0, f"re-planned {len(refits) - 1} time(s) under lower planner caps: the program "
+                 "needed " + ", ".join(f"{r.program_bytes / gib:.2f}" for r in refits[:-1])
+                 + f" GiB per device over the {refits[0].cap / gib:.2f} GiB cap")
   for d, b in enumerate(peaks):
     cap = plan.memory_caps_bytes[d] if d < len(plan.memory_caps_bytes) else None
     row = f"  device {d}: planner {b / gib:7.3f} GiB"

@@ -1,0 +1,135 @@
+"""Holding a plan to its memory cap as the program allocates it.
+
+The planner counts a device's memory as the bytes of the nodes it owns plus the residuals its
+own task order keeps (`planner.pricing.price.peak_memory_bytes`). The SPMD program allocates
+more, and the same on every model-axis device: each device's parameter, gradient and optimizer
+rows are as long as the longest device's (row padding), and a lock-step group's buffers are as
+large as the largest device's values in that group (`jaxhybrid.program.memory`). Paper BigLSTM on
+1x8 under a 6 GiB cap: the planner counted at most 5.84 GiB on a device, the program compiled
+to 6.90 GiB on every device.
+
+`refit` closes that gap: after a plan is built into a program, the program's predicted memory
+(`MemoryReport.predicted`, within 7.5 % of XLA's compiled figure over bench_memory's rows) is
+checked against the cap; when it is above, the planner's caps are lowered by the excess and the
+model re-planned, a few times at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("jaxhybrid")
+
+GiB = 2**30
+
+# Assumption, named here: the program's memory is checked against the cap only when the
+# planner's own peak of some device is above this fraction of its cap (the program's predicted
+# memory costs a compile of every node's tasks; far below the cap the gap cannot matter: over
+# bench_memory's rows the program allocates at most ~5x the planner's largest device figure
+# only for models of a few MiB, where the hardware cap is thousands of times larger).
+FIT_CHECK_FRACTION = 0.5
+# Assumption, named here: re-plans tried before the cap is declared out of reach.
+FIT_ATTEMPTS = 3
+# Assumption, named here: each re-plan lowers the caps by the excess times this factor (>1, so
+# a re-plan that lands exactly on the planner's new cap leaves room for the model's error).
+FIT_MARGIN = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+  """One check of a built program against the planner's cap (bytes per device)."""
+
+  cap: float  # the cap the program must keep (the smallest of the asked caps)
+  planner_caps: tuple[float, ...]  # the caps the plan was made under
+  planner_peak: float  # the plan's largest per-device figure, as the planner counts it
+  program_bytes: int  # the program's predicted bytes per device (every device)
+
+  @property
+  def fits(self) -> bool:
+    return self.program_bytes <= self.cap
+
+
+def _size(b: float) -> str:
+  return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.2f} MiB"
+
+
+def program_bytes(prog: Any) -> int:
+  """The program's predicted per-device bytes (no compile of the step)."""
+  from jaxhybrid.program import memory
+
+  return int(memory.report(prog, compile=False).predicted)
+
+
+def needs_check(plan: Any) -> bool:
+  """Whether `plan` is capped and some device's planner peak is near its cap."""
+  caps = tuple(getattr(plan, "memory_caps_bytes", ()) or ())
+  peaks = tuple(getattr(plan, "device_peak_bytes", ()) or ())
+  if not caps:
+    return False
+  if not peaks:  # no per-device figure (a heuristic's plan): check
+    return True
+  return any(p > FIT_CHECK_FRACTION * c for p, c in zip(peaks, caps))
+
+
+def refit(
+  plan: Any,
+  prog: Any,
+  replan: Callable[[tuple[float, ...]], tuple[Any, Any]],
+  *,
+  measure: Callable[[Any], int] = program_bytes,
+  attempts: int = FIT_ATTEMPTS,
+) -> tuple[Any, Any, list[Refit]]:
+  """Re-plans until the program's predicted memory is within the plan's cap.
+
+  Args:
+    plan, prog: the planner's plan (with `memory_caps_bytes`) and the program built from it.
+    replan: caps per device -> (plan, program) planned under those caps and built.
+    measure: program -> its predicted bytes per device.
+    attempts: the most re-plans.
+
+  Returns:
+    (plan, program, checks): the first that fits (or the given ones when no check is due), and
+    every check made, in order.
+
+  Raises:
+    planner.InfeasibleError: the program stays above the cap after `attempts` re-plans, or the
+      lowered caps leave nothing (the message gives the program's bytes and the cap).
+  """
+  from jaxhybrid.planner.core.options import InfeasibleError
+
+  checks: list[Refit] = []
+  user_caps = tuple(float(c) for c in plan.memory_caps_bytes or ())
+  caps = user_caps
+  for attempt in range(attempts + 1):
+    if not needs_check(plan):
+      return plan, prog, checks
+    need = measure(prog)
+    peak = max(plan.device_peak_bytes or (0.0,))
+    cap = min(user_caps)
+    checks.append(Refit(cap=cap, planner_caps=caps, planner_peak=float(peak), program_bytes=need))
+    if need <= cap:
+      return plan, prog, checks
+    if attempt == attempts:
+      break
+    excess = (need - cap) * FIT_MARGIN
+    caps = tuple(c - excess for c in caps)
+    log.info("the program needs %s per device, over the %s cap (row padding and group "
+             "buffers the planner does not count): re-planning with caps %s lower",
+             _size(need), _size(cap), _size(excess))
+    if min(caps) <= 0:
+      break
+    try:
+      plan, prog = replan(caps)
+    except InfeasibleError as e:
+      raise InfeasibleError(
+        f"the program needs {_size(need)} per device, over the cap of {_size(cap)}, "
+        f"and no plan fits the planner's caps lowered to leave room for that excess ({e})"
+      ) from None
+  raise InfeasibleError(
+    f"the program needs {_size(checks[-1].program_bytes)} per device, over the cap of "
+    f"{_size(min(user_caps))}, after {len(checks) - 1} re-plan(s) with lower planner caps "
+    "(every device's rows are as long as the fullest device's, and group buffers as large as "
+    "the largest device's values): use more model devices, more micro-batches or a larger cap")

@@ -1,0 +1,64 @@
+"""The program's memory held to the planner's cap: re-plans under lower caps (`program.fit`)."""
+
+import dataclasses
+
+import pytest
+
+from jaxhybrid.planner.core.options import InfeasibleError
+from jaxhybrid.program import fit
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class FakePlan:
+  memory_caps_bytes: tuple[float, ...]
+  device_peak_bytes: tuple[float, ...]
+  name: str = "first"
+
+
+def test_a_program_within_its_cap_is_kept_without_re_planning():
+  plan = FakePlan((100 * MiB, 100 * MiB), (90 * MiB, 10 * MiB))
+  replan = lambda caps: pytest.fail("re-planned a program that fits")  # noqa: E731
+  got, prog, checks = fit.refit(plan, "prog", replan, measure=lambda p: 99 * MiB)
+  assert (got, prog) == (plan, "prog")
+  assert len(checks) == 1 and checks[0].fits and checks[0].program_bytes == 99 * MiB
+
+
+def test_far_below_the_cap_nothing_is_measured_and_uncapped_plans_are_not_checked():
+  measure = lambda p: pytest.fail("measured a program far below its cap")  # noqa: E731
+  low = FakePlan((100 * MiB,) * 2, (10 * MiB, 20 * MiB))
+  assert fit.refit(low, "prog", None, measure=measure) == (low, "prog", [])
+  uncapped = FakePlan((), (10 * MiB, 20 * MiB))
+  assert fit.refit(uncapped, "prog", None, measure=measure) == (uncapped, "prog", [])
+
+
+def test_a_program_above_the_cap_is_re_planned_under_caps_lowered_by_its_excess():
+  plan = FakePlan((100 * MiB, 100 * MiB), (95 * MiB, 60 * MiB))
+  asked = []
+
+  def replan(caps):
+    asked.append(caps)
+    return FakePlan(caps, (80 * MiB, 80 * MiB), name="second"), "prog2"
+
+  sizes = {"prog": 120 * MiB, "prog2": 98 * MiB}
+  got, prog, checks = fit.refit(plan, "prog", replan, measure=sizes.__getitem__)
+  assert got.name == "second" and prog == "prog2"
+  excess = 20 * MiB * fit.FIT_MARGIN
+  assert asked == [(100 * MiB - excess,) * 2]
+  assert [c.fits for c in checks] == [False, True]
+
+
+def test_a_program_that_stays_above_the_cap_is_a_one_line_infeasible_error():
+  plan = FakePlan((100 * MiB,) * 2, (95 * MiB, 60 * MiB))
+  replan = lambda caps: (FakePlan(caps, (caps[0] * 0.9,) * 2), "prog")  # noqa: E731
+  with pytest.raises(InfeasibleError, match=r"needs 110.00 MiB per device, over the cap of "
+                     r"100.00 MiB, after 3 re-plan\(s\)") as e:
+    fit.refit(plan, "prog", replan, measure=lambda p: 110 * MiB)
+  assert "\n" not in str(e.value)
+  # The planner finding nothing under the lowered caps says so, with both figures.
+  def none_fits(caps):
+    raise InfeasibleError("node 'x' needs 99 MiB")
+
+  with pytest.raises(InfeasibleError, match=r"needs 110.00 MiB .* no plan fits .*node 'x'"):
+    fit.refit(plan, "prog", none_fits, measure=lambda p: 110 * MiB)
