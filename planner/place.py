@@ -23,7 +23,7 @@ precedence bound (fbw_search.simple_bound), the one-machine bound over every pla
 (placement_bound.py, problems of at most 16 nodes), the F/B/W MILP's optimum and the bound
 that pays for compute and transfers of every placement ('transfers', lockstep_bound.py, for the
 schedule families `schedule_kinds` allows; its best placements also seed the search). The
-fused fields (`schedule`, `predicted_step_s`, `lower_bound_s`, `gap`) then describe the fused
+fused fields (`schedule`, `fused_makespan_s`, `lower_bound_s`, `gap`) then describe the fused
 schedule of the returned placement.
 """
 
@@ -298,9 +298,9 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     microbatches=k,
     node_compute_s=problem.compute_s,
     node_memory_bytes=problem.memory_bytes(k),
-    predicted_step_s=makespan,
+    fused_makespan_s=makespan,
     single_device_s=single_s,
-    predicted_speedup=single_s / makespan if makespan > 0 else 1.0,
+    fused_speedup=single_s / makespan if makespan > 0 else 1.0,
     lower_bound_s=bound,
     method=method,
     solver=solver,

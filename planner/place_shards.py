@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def _step_price(plan: Plan) -> float:
-  return plan.lockstep_step_s or plan.predicted_step_s
+  return plan.predicted_step_s
 
 
 def _peak(plan: Plan) -> float:

@@ -135,5 +135,5 @@ def test_place_uses_the_prefix_bound_for_pipelines(monkeypatch):
                         milp_max_nodes=20_000, search_evaluations=50, cpsat_deterministic_time=5.0)
   plan = place_problem(prob, opts)
   assert plan.lower_bound_s == pytest.approx(_brute_force(prob, 2), abs=1e-9)
-  assert plan.predicted_step_s == pytest.approx(plan.lower_bound_s, abs=1e-9)
+  assert plan.fused_makespan_s == pytest.approx(plan.lower_bound_s, abs=1e-9)
   assert plan.status == "optimal"

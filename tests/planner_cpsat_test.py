@@ -113,12 +113,12 @@ def test_place_runs_the_cpsat_search_before_the_milp():
               cpsat_deterministic_time=0.3, milp_max_nodes=50, search_evaluations=20)
   plan = planner.place_problem(prob, planner.PlannerOptions(**opts))
   assert "cpsat" in plan.heuristics
-  assert plan.predicted_step_s <= plan.heuristics["cpsat"] + 1e-12
+  assert plan.fused_makespan_s <= plan.heuristics["cpsat"] + 1e-12
   if plan.found_by == "milp":
-    assert plan.predicted_step_s < min(plan.heuristics.values())
+    assert plan.fused_makespan_s < min(plan.heuristics.values())
   else:
-    assert plan.heuristics[plan.found_by] == plan.predicted_step_s
-  assert plan.lower_bound_s <= plan.predicted_step_s + 1e-12
+    assert plan.heuristics[plan.found_by] == plan.fused_makespan_s
+  assert plan.lower_bound_s <= plan.fused_makespan_s + 1e-12
   planner.validate_schedule(prob, plan.assignment, plan.schedule, 4)
   off = planner.place_problem(prob, planner.PlannerOptions(**opts, cpsat_share=0.0))
   assert "cpsat" not in off.heuristics

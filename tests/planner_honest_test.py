@@ -112,11 +112,11 @@ def test_unequal_caps_bound_never_exceeds_the_optimum(seed):
                                 **WORK)
   plan = planner.place_problem(prob, opts)
   planner.validate_schedule(prob, plan.assignment, plan.schedule, 2, opts.caps())
-  best = _optimum(prob, 2, caps, upper=plan.predicted_step_s * (1 + 1e-9))
+  best = _optimum(prob, 2, caps, upper=plan.fused_makespan_s * (1 + 1e-9))
   assert plan.lower_bound_s <= best + 1e-9
-  assert plan.lower_bound_s <= plan.predicted_step_s
+  assert plan.lower_bound_s <= plan.fused_makespan_s
   if plan.status == "optimal":
-    assert plan.predicted_step_s == pytest.approx(best, rel=1e-7)
+    assert plan.fused_makespan_s == pytest.approx(best, rel=1e-7)
 
 
 def test_symmetries_keep_only_devices_with_equal_caps():
@@ -145,7 +145,7 @@ def test_a_bound_above_the_schedule_is_reported_and_not_used(monkeypatch, planne
   plan = planner.place_problem(prob, planner.PlannerOptions(devices=2, microbatches=2, **WORK))
   assert planner_bound_errors == ["relaxation"]
   planner_bound_errors.clear()
-  assert plan.lower_bound_s <= plan.predicted_step_s
+  assert plan.lower_bound_s <= plan.fused_makespan_s
   assert plan.lower_bound_s >= planner.lower_bound(prob, 2) - 1e-12
   assert audited_bound({"a": 1.0, "b": 2.0 + 1e-12}, 2.0) == 2.0  # rounding, not a bug
   assert planner_bound_errors == []
@@ -219,7 +219,7 @@ def test_every_phase_gets_a_positive_share_within_the_limit(monkeypatch):
   for name, (called, seconds) in given.items():
     assert seconds > 0, name
     assert called - t0 + seconds <= limit, name
-  assert plan.lower_bound_s <= plan.predicted_step_s
+  assert plan.lower_bound_s <= plan.fused_makespan_s
 
 
 def test_lockstep_search_keeps_its_share_and_warm_starts_end_by_their_cap(monkeypatch):
@@ -258,7 +258,7 @@ def test_the_search_is_never_worse_than_plain_annealing():
   start = min((h for h in heuristics if h is not None), key=lambda c: c.makespan)
   plain = heur.local_search(prob, k, None, start, float("inf"), seed=0,
                             max_evaluations=50 * prob.num_nodes * prob.devices)
-  assert plan.predicted_step_s <= plain.makespan + 1e-12
+  assert plan.fused_makespan_s <= plain.makespan + 1e-12
   planner.validate_schedule(prob, plan.assignment, plan.schedule, k)
 
 

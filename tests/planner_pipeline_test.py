@@ -42,7 +42,7 @@ def test_energetic_bound_sees_a_pipeline_filling():
   assert bounds.energetic_bound(prob, 4) > 4.5
   # Optimal: one layer per device, 3 s to fill plus 4 micro-batches: 7 s.
   assert bounds.lower_bound(prob, 4) <= 7.0 + 1e-9
-  assert _place(prob, microbatches=4).predicted_step_s == pytest.approx(7.0)
+  assert _place(prob, microbatches=4).fused_makespan_s == pytest.approx(7.0)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -55,7 +55,7 @@ def test_bounds_never_exceed_the_brute_force_optimum(seed, k):
     assert relax.solve(prob, k, **EXACT).bound <= best + 1e-9
   plan = _place(prob, microbatches=k)
   assert plan.lower_bound_s <= best + 1e-9
-  assert plan.predicted_step_s == pytest.approx(best, rel=1e-7)
+  assert plan.fused_makespan_s == pytest.approx(best, rel=1e-7)
 
 
 def test_relaxation_bound_and_placement_on_a_layer_stack():
@@ -105,8 +105,8 @@ def test_pipelined_plan_reports_an_honest_gap():
   plan = _place(prob, microbatches=4, gap=0.01, cpsat_deterministic_time=0.3, milp_max_nodes=100)
   assert "interleaved" in plan.heuristics and "local" in plan.heuristics
   assert plan.lower_bound_s >= bounds.lower_bound(prob, 4) - 1e-12
-  assert plan.gap == pytest.approx((plan.predicted_step_s - plan.lower_bound_s)
-                                   / plan.predicted_step_s)
+  assert plan.gap == pytest.approx((plan.fused_makespan_s - plan.lower_bound_s)
+                                   / plan.fused_makespan_s)
   assert plan.status in ("optimal", "feasible")
   assert (plan.status == "optimal") == (plan.gap <= 0.01 + 1e-9)
 

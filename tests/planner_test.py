@@ -26,8 +26,8 @@ def _place(prob: Problem, **kw) -> planner.Plan:
   opts = planner.PlannerOptions(devices=prob.devices, **{**FAST, **kw})
   plan = planner.place_problem(prob, opts)
   planner.validate_schedule(prob, plan.assignment, plan.schedule, plan.microbatches, opts.caps())
-  assert plan.predicted_step_s <= min(plan.heuristics.values()) + 1e-9
-  assert plan.lower_bound_s <= plan.predicted_step_s + 1e-9
+  assert plan.fused_makespan_s <= min(plan.heuristics.values()) + 1e-9
+  assert plan.lower_bound_s <= plan.fused_makespan_s + 1e-9
   return plan
 
 
@@ -68,7 +68,7 @@ def test_two_independent_equal_chains_give_2x():
   prob = Problem.build([1, 2, 3, 1, 2, 3], [(0, 1), (1, 2), (3, 4), (4, 5)], devices=2,
                        transfer_s=0.5)
   plan = _place(prob)
-  assert plan.predicted_speedup == pytest.approx(2.0)
+  assert plan.fused_speedup == pytest.approx(2.0)
   assert plan.assignment[0] == plan.assignment[2] != plan.assignment[3] == plan.assignment[5]
   assert plan.status == "optimal" and plan.gap == pytest.approx(0.0, abs=1e-9)
 
@@ -76,7 +76,7 @@ def test_two_independent_equal_chains_give_2x():
 def test_a_chain_gives_1x():
   prob = Problem.build([1, 2, 3, 4], [(0, 1), (1, 2), (2, 3)], devices=2, transfer_s=0.1)
   plan = _place(prob)
-  assert plan.predicted_speedup == pytest.approx(1.0)
+  assert plan.fused_speedup == pytest.approx(1.0)
   assert len(set(plan.assignment)) == 1
 
 
@@ -88,7 +88,7 @@ def test_heavy_edge_keeps_its_ends_together():
   plan = _place(prob)
   assert plan.assignment[0] == plan.assignment[2]
   assert plan.assignment[1] != plan.assignment[2]
-  assert plan.predicted_step_s == pytest.approx(1 + 0.1 + 4 + 1)  # 3 joins 1 on its device
+  assert plan.fused_makespan_s == pytest.approx(1 + 0.1 + 4 + 1)  # 3 joins 1 on its device
 
 
 def test_memory_cap_forces_a_split():
@@ -99,7 +99,7 @@ def test_memory_cap_forces_a_split():
   capped = _place(prob, memory_caps_bytes=25)
   assert len(set(capped.assignment)) == 2
   assert max(capped.device_memory()) <= 25
-  assert capped.predicted_step_s == pytest.approx(4.5)  # one crossing, at the middle
+  assert capped.fused_makespan_s == pytest.approx(4.5)  # one crossing, at the middle
 
 
 def test_memory_infeasible_raises_typed_error_with_the_shortfall():
@@ -113,13 +113,13 @@ def test_memory_infeasible_raises_typed_error_with_the_shortfall():
 def test_pipelining_credits_splitting_a_layer_stack():
   # Four equal "LSTM layers": no gain without micro-batches, a pipeline with 4 of them.
   prob = Problem.build([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], devices=2, transfer_s=0.05)
-  assert _place(prob).predicted_speedup == pytest.approx(1.0)
+  assert _place(prob).fused_speedup == pytest.approx(1.0)
   plan = _place(prob, microbatches=4)
   assert sorted(plan.assignment) == [0, 0, 1, 1]
   # Optimal: layers alternate devices; each device works 8 s and idles only while the first
   # micro-batch reaches it (1.05 s) and after its last (1.05 s): (16 + 1.05 + 1.05) / 2. The
   # lower bound proves it, and a contiguous 2-stage split (10.05 s) is worse.
-  assert plan.predicted_step_s == pytest.approx(9.05)
+  assert plan.fused_makespan_s == pytest.approx(9.05)
   assert plan.lower_bound_s == pytest.approx(9.05) and plan.status == "optimal"
   assert plan.heuristics["dp"] == pytest.approx(10.05)
 
@@ -128,21 +128,21 @@ def test_pipelining_credits_splitting_a_layer_stack():
 def test_milp_equals_brute_force_one_microbatch(seed):
   prob = _random_problem(seed, n=5)
   want = _brute_force(prob, 1)
-  assert _place(prob).predicted_step_s == pytest.approx(want, rel=1e-7)
-  assert _place(prob, decompose=False).predicted_step_s == pytest.approx(want, rel=1e-7)
+  assert _place(prob).fused_makespan_s == pytest.approx(want, rel=1e-7)
+  assert _place(prob, decompose=False).fused_makespan_s == pytest.approx(want, rel=1e-7)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_milp_equals_brute_force_two_microbatches(seed):
   prob = _random_problem(100 + seed, n=3)
-  assert _place(prob, microbatches=2).predicted_step_s == pytest.approx(
+  assert _place(prob, microbatches=2).fused_makespan_s == pytest.approx(
     _brute_force(prob, 2), rel=1e-7)
 
 
 def _highs_case(seed: int, k: int) -> tuple[str, float, float]:
   prob = _random_problem(seed, n=5 if k == 1 else 3)
   plan = _place(prob, microbatches=k, solver="highs", decompose=False)
-  return plan.solver, plan.predicted_step_s, _brute_force(prob, k)
+  return plan.solver, plan.fused_makespan_s, _brute_force(prob, k)
 
 
 @pytest.mark.parametrize("seed,k", [(0, 1), (1, 1), (100, 2)])
@@ -202,8 +202,8 @@ def test_decomposition_is_exact_against_the_monolithic_milp():
   dec = _place(prob)
   mono = _place(prob, decompose=False)
   assert dec.status == mono.status == "optimal"
-  assert dec.predicted_step_s == pytest.approx(mono.predicted_step_s, rel=1e-7)
-  assert dec.predicted_speedup > 1.2
+  assert dec.fused_makespan_s == pytest.approx(mono.fused_makespan_s, rel=1e-7)
+  assert dec.fused_speedup > 1.2
 
 
 def test_work_limits_return_the_incumbent_with_an_honest_gap():
@@ -215,8 +215,8 @@ def test_work_limits_return_the_incumbent_with_an_honest_gap():
                 cpsat_deterministic_time=0.2)
   assert plan.status in ("optimal", "feasible")
   assert 0 <= plan.gap < 0.2
-  assert plan.gap == pytest.approx((plan.predicted_step_s - plan.lower_bound_s)
-                                   / plan.predicted_step_s)
+  assert plan.gap == pytest.approx((plan.fused_makespan_s - plan.lower_bound_s)
+                                   / plan.fused_makespan_s)
 
 
 def test_heuristic_methods_and_bounds():
@@ -225,8 +225,8 @@ def test_heuristic_methods_and_bounds():
   for method in ("single", "etf", "dp", "local"):
     plan = _place(prob, method=method)
     assert plan.method == method and plan.status == "heuristic"
-    assert plan.predicted_step_s == pytest.approx(milp_plan.heuristics[method])
-    assert plan.predicted_step_s >= milp_plan.predicted_step_s - 1e-9
+    assert plan.fused_makespan_s == pytest.approx(milp_plan.heuristics[method])
+    assert plan.fused_makespan_s >= milp_plan.fused_makespan_s - 1e-9
   assert milp_plan.heuristics["single"] == pytest.approx(sum(prob.compute_s))
   lb = planner.lower_bound(prob, 1)
   head, tail = sched.heads_tails(prob)

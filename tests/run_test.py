@@ -76,7 +76,7 @@ def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   # The prediction is the lock-step price of the program plus the gradient all-reduce.
   pred = res["predicted"]
   assert pred["step_s"] == pytest.approx(pred["lockstep_step_s"] + pred["allreduce_s"])
-  assert pred["lockstep_step_s"] > 0 and pred["plan_step_s"] > 0
+  assert pred["lockstep_step_s"] > 0 and pred["fused_makespan_s"] > 0
 
 
 BAD_CONFIGS = [

@@ -220,7 +220,7 @@ def search(
         mem = device_memory_bytes(plan)
         cands.append(Candidate(
           m=m, k=k, planner=method, found_by=plan.found_by or plan.method, step_s=step,
-          async_step_s=plan.predicted_step_s, s_mp=t1 / step, memory_bytes_per_device=mem,
+          async_step_s=plan.fused_makespan_s, s_mp=t1 / step, memory_bytes_per_device=mem,
           fits=fits_memory(mem, hw, config.usable_memory_fraction),
         ))
         log.info("%s M=%d k=%d %s: %.4f s lock-step (S_MP %.3f), %.2f GB/device", model, m, k,

@@ -23,7 +23,8 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
   The per-worker step is the lock-step price of the plan as the program runs it
   (`jaxhybrid.program.lockstep`: the program's task groups in lock step, transfers not
   overlapping compute; the optimizer and buffer-fill passes are left out, they need timing on the
-  device); `plan_step_s` keeps the plan's own asynchronous schedule for comparison.
+  device); `fused_makespan_s` keeps the fused task model's makespan (the planner's warm start) for
+  comparison.
   """
   from jaxhybrid import api
   from jaxhybrid.program import lockstep
@@ -38,7 +39,7 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
   ar = costs.allreduce_time_s(grad_bytes, workers)
   # Under ZeRO stage 1 the rows' all-reduce is a reduce-scatter plus an all-gather: the same
   # bytes over the same ring, so the same time (none of it overlaps compute in the program).
-  return {"plan_step_s": hybrid.plan.predicted_step_s, "lockstep_step_s": lock, "allreduce_s": ar,
+  return {"fused_makespan_s": hybrid.plan.fused_makespan_s, "lockstep_step_s": lock, "allreduce_s": ar,
           "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes),
           "data_exchange": "reduce-scatter + all-gather" if getattr(prog, "zero", 0) else "all-reduce"}
 

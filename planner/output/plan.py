@@ -22,8 +22,13 @@ from jaxhybrid.planner.core.task_schedule import TaskSchedule
 # prices them (a reader that ignores them would price and run the derived groups instead).
 # 3: adds `shards` (parameter leaves split into one piece per model device, each piece a node of
 # its own; `jaxhybrid.graph.shard`). Version-1 and -2 plans load with no leaf split.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: one predicted step. `predicted_step_s` / `predicted_speedup` are the price of the lock-step
+# schedule the program runs (`lockstep_step_s`, `lockstep_speedup`) whenever the plan is priced
+# in lock step; the fused task model's makespan, which earlier versions stored under those names,
+# is `fused_makespan_s` / `fused_speedup` (the search's warm start, not what runs). Older plans
+# load with their `predicted_*` figures moved to the `fused_*` fields.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,10 +51,12 @@ class Plan:
   # p_i (forward + backward, one micro-batch) and m_i (bytes on the device) per node.
   node_compute_s: tuple[float, ...]
   node_memory_bytes: tuple[float, ...]
-  # Predicted step time (the makespan C), one device's step time (k sum_i p_i), their ratio.
-  predicted_step_s: float
+  # The fused task model's schedule: its makespan C (the planner's asynchronous schedule, the
+  # lock-step search's warm start; not what the program runs), one device's step time
+  # (k sum_i p_i), their ratio. The prediction is `predicted_step_s` (below).
+  fused_makespan_s: float
   single_device_s: float
-  predicted_speedup: float
+  fused_speedup: float
   # A proven lower bound on the makespan of any placement.
   lower_bound_s: float
   # How the plan was found: method ('milp', 'etf', ...), solver, status ('optimal': gap within
@@ -76,8 +83,8 @@ class Plan:
   graph_fingerprint: str = ""
   cost_source: str = ""
   hardware: str = ""
-  # ---- The program's step (optional in schema 2). `predicted_step_s` above stays the fused schedule's
-  # makespan; these price the F/B/W `task_schedule` the program runs, in lock step. ----
+  # ---- The program's step (optional in schema 2): the price of the F/B/W `task_schedule` the
+  # program runs, in lock step (`predicted_step_s`). ----
   # Lock-step price of `task_schedule` on `assignment` (planner.price.lockstep_price: groups'
   # busiest devices + messages; no per-byte optimizer/fill passes); 0.0 = not priced.
   lockstep_step_s: float = 0.0
@@ -108,6 +115,19 @@ class Plan:
   # ---- Split leaves (schema 3): per leaf, `jaxhybrid.graph.shard.LeafShard.to_json()`; the
   # graph the plan places is the traced graph with these leaves split (`shard.apply`).
   shards: tuple[Mapping[str, Any], ...] = ()
+
+  @property
+  def predicted_step_s(self) -> float:
+    """The plan's predicted step: the lock-step price of the schedule the program runs (what the
+    planner minimised); for a plan not priced in lock step (objective 'fused'), the fused
+    schedule's makespan, which is then what the planner minimised."""
+    return self.lockstep_step_s or self.fused_makespan_s
+
+  @property
+  def predicted_speedup(self) -> float:
+    """single_device_s / predicted_step_s (k micro-batches run node by node on one device; see
+    `reference_speedup` for the speedup over a plain one-device step)."""
+    return self.lockstep_speedup if self.lockstep_step_s else self.fused_speedup
 
   @property
   def reference_speedup(self) -> float:
@@ -146,6 +166,9 @@ class Plan:
     out["device_peak_bytes"] = list(self.device_peak_bytes)
     out["memory_caps_bytes"] = list(self.memory_caps_bytes)
     out["shards"] = [dict(x) for x in self.shards]
+    # Derived (read-only): written for readers of the JSON, ignored when loading version 4.
+    out["predicted_step_s"] = self.predicted_step_s
+    out["predicted_speedup"] = self.predicted_speedup
     ts = self.task_schedule
     out["task_schedule"] = ts.to_dict() if isinstance(ts, TaskSchedule) else ts
     for key in ("node_names", "assignment", "node_compute_s", "node_memory_bytes"):
@@ -170,6 +193,11 @@ class Plan:
       )
     kw = dict(data)
     kw["schema_version"] = SCHEMA_VERSION
+    if version < 4:  # the fused figures had the prediction's names
+      kw.setdefault("fused_makespan_s", kw.get("predicted_step_s"))
+      kw.setdefault("fused_speedup", kw.get("predicted_speedup"))
+    kw.pop("predicted_step_s", None)
+    kw.pop("predicted_speedup", None)
     ts = data.get("task_schedule", "gpipe" if version == 1 else "")
     kw["task_schedule"] = TaskSchedule.from_dict(ts) if isinstance(ts, dict) else str(ts)
     try:
@@ -252,13 +280,13 @@ class Plan:
         "  lock-step baselines on the best contiguous split: "
         + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.lockstep_baselines.items()),
         f"  fused task model (the search's warm start, not what runs): makespan "
-        f"{self.predicted_step_s * 1e3:.3f} ms, its bound {self.lower_bound_s * 1e3:.3f} ms; "
+        f"{self.fused_makespan_s * 1e3:.3f} ms, its bound {self.lower_bound_s * 1e3:.3f} ms; "
         "heuristics: " + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.heuristics.items()),
       ]
     else:
       lines += [
-        f"  predicted step {self.predicted_step_s * 1e3:.3f} ms (fused task model), one device "
-        f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.predicted_speedup:.3f}x, "
+        f"  predicted step {self.fused_makespan_s * 1e3:.3f} ms (fused task model), one device "
+        f"{self.single_device_s * 1e3:.3f} ms, MP speedup {self.fused_speedup:.3f}x, "
         f"lower bound {self.lower_bound_s * 1e3:.3f} ms",
         "  heuristics: " + ", ".join(f"{k}={v * 1e3:.3f} ms" for k, v in self.heuristics.items()),
       ]
@@ -273,7 +301,7 @@ class Plan:
         f"{self.node_compute_s[i] * 1e3:9.3f} ms  {self.node_memory_bytes[i] / 2**20:10.1f} MiB"
       )
     for d, (load, mem) in enumerate(zip(self.device_loads(), self.device_memory())):
-      busy = load / self.predicted_step_s if self.predicted_step_s else 0.0
+      busy = load / self.fused_makespan_s if self.fused_makespan_s else 0.0
       peak = (f", peak over the schedule {self.device_peak_bytes[d] / 2**20:.1f} MiB"
               if d < len(self.device_peak_bytes) else "")
       cap = (f" (cap {self.memory_caps_bytes[d] / 2**20:.1f} MiB)"
