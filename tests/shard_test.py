@@ -194,6 +194,15 @@ def test_a_table_no_device_can_hold_is_sharded_and_trains_exactly():
   old["schema_version"] = 2
   del old["shards"]
   assert planner.Plan.from_dict(old).shards == ()
+  # Before schema 4 `predicted_step_s` held the fused makespan: it loads as `fused_makespan_s`,
+  # and the prediction is the lock-step price.
+  for key in ("fused_makespan_s", "fused_speedup"):
+    del old[key]
+  old["predicted_step_s"], old["predicted_speedup"] = 0.5, 1.25
+  loaded = planner.Plan.from_dict(old)
+  assert (loaded.fused_makespan_s, loaded.fused_speedup) == (0.5, 1.25)
+  assert loaded.predicted_step_s == hy.plan.lockstep_step_s > 0
+  assert again.predicted_step_s == hy.plan.predicted_step_s == hy.plan.lockstep_step_s
 
 
 def test_shard_options_never_price_above_the_placement_only_plan():
