@@ -35,6 +35,9 @@ _STEPS = flags.DEFINE_integer("steps", 20, "Training steps per run.")
 _TIME_LIMIT = flags.DEFINE_float("time_limit", 30.0, "Planner time limit per run, seconds.")
 _DATA = flags.DEFINE_string("data", "synthetic", "synthetic | generated | a data folder.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Sweep folder.")
+_PROJECTION = flags.DEFINE_bool(
+  "projection", False, "Also project each run to the paper's scenario (run.py's projection; the "
+  "sweep's rows do not use it, and it plans the paper-size model once per run).")
 
 FIELDS = ("name", "model", "size", "mesh", "batch", "planner", "status", "predicted_step_s",
           "measured_step_s", "plan_speedup", "first_loss", "final_loss", "error")
@@ -103,7 +106,7 @@ def main(argv):
     config = runner.RunConfig(
       model=model, size=_SIZE.value, mesh=mesh_spec, batch=batch, microbatches=_MICRO.value,
       planner=planner, time_limit_s=_TIME_LIMIT.value, data=_DATA.value, steps=_STEPS.value,
-      workdir=os.path.join(root, name), resume=True, progress=False,
+      workdir=os.path.join(root, name), resume=True, progress=False, projection=_PROJECTION.value,
     )
     row = {"name": name, "model": model, "mesh": mesh_spec, "batch": batch, "planner": planner}
     try:

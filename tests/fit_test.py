@@ -62,3 +62,21 @@ def test_a_program_that_stays_above_the_cap_is_a_one_line_infeasible_error():
 
   with pytest.raises(InfeasibleError, match=r"needs 110.00 MiB .* no plan fits .*node 'x'"):
     fit.refit(plan, "prog", none_fits, measure=lambda p: 110 * MiB)
+
+
+def test_after_a_re_plan_the_caps_fall_by_the_excess_over_the_bytes_saved_per_byte_of_cap():
+  plan = FakePlan((100 * MiB,) * 2, (95 * MiB, 60 * MiB))
+  asked = []
+
+  def replan(caps):
+    asked.append(caps[0])
+    return FakePlan(caps, (caps[0] * 0.9,) * 2), caps[0]
+
+  # The program saves half a byte per byte of planner cap: 100 -> 120, 90 -> 115 MiB.
+  size = lambda prog: int(120 * MiB - (100 * MiB - (prog if prog != "prog" else 100 * MiB)) / 2)  # noqa: E731
+  _, _, checks = fit.refit(plan, "prog", replan, measure=size)
+  first = 20 * MiB * fit.FIT_MARGIN
+  assert asked[0] == pytest.approx(100 * MiB - first)
+  second = checks[1].program_bytes - 100 * MiB
+  assert asked[1] == pytest.approx(asked[0] - second / 0.5 * fit.FIT_MARGIN)
+  assert checks[-1].fits and len(checks) == 3

@@ -200,7 +200,7 @@ def test_sigkill_then_resume_reproduces_uninterrupted_losses(tmp_path):
   assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
   done = len(losses(wd))
   assert done < 60
-  resumed = run_py(*common, f"--workdir={wd}", "--resume")
+  resumed = run_py(*common, f"--workdir={wd}", "--resume", "--noprojection")
   assert resumed.returncode == 0, resumed.stderr
   assert json.load(open(wd / "results.json"))["metrics"]["resumed_from"] > 0
   assert losses(wd) == losses(tmp_path / "full")

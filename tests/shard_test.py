@@ -299,3 +299,27 @@ def test_convolution_kernels_split_on_output_features_match_reference():
     g, m, opt, [int(n.name.endswith("shard1")) for n in g.nodes], microbatches=2, state=s,
     per_example=per_example)
   assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+def test_co_located_pieces_of_a_leaf_share_a_lockstep_group_as_the_whole_leaf_would():
+  """Two pieces above the group's gradient cap on one device: as one leaf's gradient they may
+  leave one group together (the unit rule); two unrelated nodes of that size may not."""
+  from jaxhybrid.planner.pricing import lockstep_rule, price
+  from jaxhybrid.planner.search import fbw_search
+
+  big = 2 * lockstep_rule.GROUP_GRAD_BYTES
+  prob = dataclasses.replace(_piece_problem(), param_bytes=(0, big, big, 0, 10))
+  assert lockstep_rule.grad_units(prob.names) == [0, 1, 1, 3, 4]
+  whole = (0, 0, 0, 0, 1)
+  _, sch, _, _ = fbw_search.best_schedule(prob, whole, 2, None, kinds=("1f1b",))
+
+  def group_of(groups, node, c):
+    return next(j for j, g in enumerate(groups) for _, op in g
+                if lockstep_rule.is_grad_task(op, sch.split) and (op.node, op.microbatch) == (node, c))
+
+  reads = price.task_reads(prob, sch)
+  for units, together in ((prob.grad_units, True), (None, False)):
+    _, groups = lockstep_rule.lockstep_groups(sch, prob.edges, whole, reads,
+                                              grad_bytes=prob.param_bytes, grad_unit=units)
+    for c in range(2):
+      assert (group_of(groups, 1, c) == group_of(groups, 2, c)) == together

@@ -255,6 +255,7 @@ def build(
   _, grouped = lockstep_rule.lockstep_groups(
     schedule, edges, assignment, task_reads,
     grad_bytes=[int(n.param_bytes) for n in graph.nodes],
+    grad_unit=lockstep_rule.grad_units([n.name for n in graph.nodes]),
   )
   group_of = {task: g for g, tasks in enumerate(grouped) for task in tasks}
   # Readers of each value: (group, device).

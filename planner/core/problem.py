@@ -187,6 +187,13 @@ class Problem:
       preds[d].append((s, e))
     return tuple(map(tuple, succs)), tuple(map(tuple, preds))
 
+  @functools.cached_property
+  def grad_units(self) -> tuple[int, ...]:
+    """Per node, its gradient unit for the lock-step group cap (`lockstep_rule.grad_units`)."""
+    from jaxhybrid.planner.pricing import lockstep_rule
+
+    return tuple(lockstep_rule.grad_units(self.names))
+
   def is_float(self, value: int) -> bool:
     """Whether value has a cotangent (floating dtypes)."""
     return self._float_values[value]

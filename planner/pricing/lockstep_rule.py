@@ -6,6 +6,7 @@ kept pure (no JAX) so both use the same one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule, _adjacency, dependencies
@@ -25,16 +26,39 @@ GROUP_GRAD_BYTES = 64 << 20
 LANE_MIN_BYTES = 256 << 10
 
 
+# A piece of a split parameter leaf (`jaxhybrid.graph.shard`): '<node>/shard<d>' or
+# '<node>/<key>.shard<d>'.
+PIECE_NAME = re.compile(r"^(.*[/.])shard(\d+)$")
+
+
+def grad_units(names: Sequence[str]) -> list[int]:
+  """Per node, its gradient unit: the pieces of one split leaf share one (the smallest piece's
+  id), every other node is its own. A device's pieces of one leaf write that leaf's gradient,
+  which the whole leaf's node would write alone in one group: the group cap lets them share a
+  group as it lets one node in (co-located in separate groups, paper BigLSTM's softmax pieces
+  priced 42 % above the whole table's node)."""
+  first: dict[str, int] = {}
+  out = []
+  for i, name in enumerate(names):
+    m = PIECE_NAME.match(name)
+    out.append(first.setdefault(m.group(1), i) if m else i)
+  return out
+
+
 def is_grad_task(op: Op, split: bool) -> bool:
   """Whether `op` writes its node's parameter gradient (B unsplit, or W)."""
   return op.kind == "W" or (op.kind == "B" and not split)
 
 
-def too_many_grads(nodes: set[int], grad_bytes: Sequence[int] | None, cap: int) -> bool:
+def too_many_grads(nodes: set[int], grad_bytes: Sequence[int] | None, cap: int,
+                   units: Sequence[int] | None = None) -> bool:
   """Whether gradient tasks of `nodes` (distinct nodes, non-empty) write more than `cap` bytes
-  of parameter gradients (`grad_bytes` None: unknown, more than one node is too many)."""
+  of parameter gradients (`grad_bytes` None: unknown, more than one node is too many). Nodes of
+  one gradient unit (`grad_units`: the pieces of one split leaf) are always allowed together."""
+  if len({units[n] for n in nodes} if units is not None else nodes) < 2:
+    return False
   if grad_bytes is None:
-    return len(nodes) > 1
+    return True
   return sum(grad_bytes[n] for n in nodes) > cap
 
 
@@ -45,6 +69,7 @@ def lockstep_groups(
   reads: Mapping[Op, Sequence[Op]],
   grad_bytes: Sequence[int] | None = None,
   group_grad_bytes: int | None = None,
+  grad_unit: Sequence[int] | None = None,
 ) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
   """Slots and groups of a task schedule run in lock step (the rule `program.tasks` builds).
 
@@ -67,6 +92,8 @@ def lockstep_groups(
       (per device).
     group_grad_bytes: the most gradient bytes one device's tasks of a group may write (default
       GROUP_GRAD_BYTES); distinct nodes counted once.
+    grad_unit: per node, its gradient unit (`grad_units`); nodes of one unit may always share a
+      group, as one node may. None: every node its own.
 
   Returns:
     (slots, groups): each a list of [(device, task), ...], tasks of a device in schedule order
@@ -80,7 +107,8 @@ def lockstep_groups(
       groups break a rule.
   """
   if schedule.groups is not None:
-    return explicit_groups(schedule, edges, assignment, reads, grad_bytes, group_grad_bytes)
+    return explicit_groups(schedule, edges, assignment, reads, grad_bytes, group_grad_bytes,
+                           grad_unit)
   devices = len(schedule.devices)
   num_nodes = len(assignment)
   preds, succs = _adjacency(num_nodes, edges)
@@ -122,7 +150,7 @@ def lockstep_groups(
       for d in {d for d, op in slot if grad_task(op)}:
         have = grad_nodes.get(d, set())
         new = have | {op.node for dd, op in slot if dd == d and grad_task(op)}
-        if have and too_many_grads(new, grad_bytes, cap):
+        if have and too_many_grads(new, grad_bytes, cap, grad_unit):
           crosses = True
           break
     if crosses or not groups:
@@ -145,6 +173,7 @@ def explicit_groups(
   reads: Mapping[Op, Sequence[Op]],
   grad_bytes: Sequence[int] | None = None,
   group_grad_bytes: int | None = None,
+  grad_unit: Sequence[int] | None = None,
 ) -> tuple[list[list[tuple[int, Op]]], list[list[tuple[int, Op]]]]:
   """The groups a schedule names (`TaskSchedule.groups`), as (slots, groups) of
   `lockstep_groups`: one slot per non-empty group, renumbered in order.
@@ -179,7 +208,7 @@ def explicit_groups(
       grads.setdefault((d, g), set()).add(op.node)
   for (d, g), nodes in sorted(grads.items()):
     # Several micro-batches of one node share its gradient window: one node always may.
-    if len(nodes) > 1 and too_many_grads(nodes, grad_bytes, cap):
+    if len(nodes) > 1 and too_many_grads(nodes, grad_bytes, cap, grad_unit):
       raise ValueError(f"group {g}: device {d}'s gradient tasks write more than "
                        f"{cap} bytes of parameter gradients; put them in separate groups")
   order = sorted({g for g, _, _ in where.values()})

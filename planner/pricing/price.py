@@ -80,7 +80,7 @@ def groups_of(
   """The lock-step groups of `schedule` (lockstep_rule.lockstep_groups)."""
   _, groups = lockstep_rule.lockstep_groups(
     schedule, problem.edges, assignment, task_reads(problem, schedule),
-    grad_bytes=problem.param_bytes or None)
+    grad_bytes=problem.param_bytes or None, grad_unit=problem.grad_units)
   return groups
 
 

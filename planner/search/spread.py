@@ -12,21 +12,20 @@ peak memory whose lock-step price stays within `tolerance` of the search's price
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.pricing import lockstep_rule
 from jaxhybrid.planner.search import fbw_search
 
-_PIECE = re.compile(r"^(.*)shard(\d+)$")
 
 
 def piece_groups(names: Sequence[str], devices: int) -> list[tuple[int, ...]]:
   """Node ids of each split leaf's M shard nodes, piece order (only complete groups)."""
   found: dict[str, dict[int, int]] = {}
   for i, name in enumerate(names):
-    m = _PIECE.match(name)
-    if m and (m.group(1).endswith("/") or m.group(1).endswith(".")):
+    m = lockstep_rule.PIECE_NAME.match(name)
+    if m:
       found.setdefault(m.group(1), {})[int(m.group(2))] = i
   return [tuple(g[d] for d in range(devices)) for _, g in sorted(found.items())
           if sorted(g) == list(range(devices))]

@@ -183,7 +183,14 @@ def improve(
       hint[index[o]] = j
   grad_task = [lockstep_rule.is_grad_task(o, split) for o in ops]
   params = problem.param_bytes or None
-  grad = [(int(params[o.node]) if params else lockstep_rule.GROUP_GRAD_BYTES + 1) if gt else -1
+  # Per gradient task, its unit (the pieces of one split leaf share one) and the bytes the
+  # unit's nodes on its device write (an upper bound on what a group holds of that unit).
+  gunit = problem.grad_units
+  unit_bytes: dict[tuple[int, int], int] = {}
+  for i, d in enumerate(assignment):
+    unit_bytes[(gunit[i], d)] = unit_bytes.get((gunit[i], d), 0) + (int(params[i]) if params else 0)
+  grad = [(unit_bytes[(gunit[o.node], assignment[o.node])] if params
+           else lockstep_rule.GROUP_GRAD_BYTES + 1) if gt else -1
           for o, gt in zip(ops, grad_task)]
   memory = None
   finite = [c for c in caps or () if math.isfinite(c)]
@@ -212,7 +219,7 @@ def improve(
   data = dict(
     devices=M, groups=G, dur=[units(problem.task_s(o.kind, o.node, split)) for o in ops],
     dev=dev, deps=deps, send=[units(_message_s(problem, assignment, o)) for o in ops],
-    grad=grad, grad_node=[o.node for o in ops], grad_cap=lockstep_rule.GROUP_GRAD_BYTES,
+    grad=grad, grad_node=[gunit[o.node] for o in ops], grad_cap=lockstep_rule.GROUP_GRAD_BYTES,
     memory=memory, hint=hint, stall_s=stall_s, log=log.isEnabledFor(logging.DEBUG),
     threads=threads, seed=seed, deterministic_time=deterministic_time,
     time_limit_s=max(0.1, time_limit_s - (time.monotonic() - t0) - _STARTUP_S),
