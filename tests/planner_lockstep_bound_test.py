@@ -74,6 +74,22 @@ def _diamond(link: bool) -> Problem:
   return _with_link(prob) if link else prob
 
 
+def _pieces(link: bool) -> Problem:
+  """A leaf split in two pieces (`jaxhybrid.graph.shard` names: pre, shard0/1, post) whose
+  gradients are each above the lock-step group cap: the group rule lets co-located pieces share
+  a group (one gradient unit), which the bound must not undercut."""
+  from jaxhybrid.planner.pricing import lockstep_rule
+
+  big = 2 * lockstep_rule.GROUP_GRAD_BYTES
+  prob = Problem.build([0.2, 1.0, 1.0, 0.3, 2.5], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)],
+                       devices=2, transfer_s=[0.1, 0.1, 0.2, 0.2, 0.3],
+                       names=["emb/pre", "emb/shard0", "emb/shard1", "emb", "head"],
+                       memory_bytes=[0, 10, 10, 0, 4], activation_bytes=[1, 2, 2, 2, 1],
+                       edge_bytes=[5, 5, 20, 20, 10])
+  prob = dataclasses.replace(prob, param_bytes=(0, big, big, 0, 10))
+  return _with_link(prob) if link else prob
+
+
 def _with_link(prob: Problem) -> Problem:
   """The same problem with a link model: 0.05 s a message, 0.01 s a byte (0.02 from device 1)."""
   return dataclasses.replace(prob, link_latency_s=((0.0, 0.05), (0.05, 0.0)),
@@ -89,12 +105,14 @@ CASES = [
   ("diamond", False, 1, False, (20, 16)),
   ("diamond", True, 1, False, None),
   ("diamond", True, 1, True, (20, 16)),
+  ("pieces", False, 1, False, (14, 24)),
+  ("pieces", True, 1, False, None),
 ]
 
 
 @pytest.mark.parametrize("name,link,k,split,caps", CASES)
 def test_the_bound_is_never_above_the_best_lockstep_schedule(name, link, k, split, caps):
-  prob = (_diamond if name == "diamond" else _chain)(link)
+  prob = {"diamond": _diamond, "chain": _chain, "pieces": _pieces}[name](link)
   want = _lockstep_optimum(prob, k, split, caps)
   assert math.isfinite(want)
   got = lockstep_bound.solve(prob, k, caps, **LIMITS)
