@@ -505,12 +505,18 @@ def _check_plan(
     kind = "zb" if sched.split else "1f1b"
   t_single = lockstep.plan_step_s(g, single, costs, schedule=kind, **kw).step_s
   slower = t_plan > t_single
+  # One device is a fall-back only when the model fits it under the plan's caps.
+  caps = tuple(plan.memory_caps_bytes or ())
+  fits_one = not caps or sum(single.node_memory_bytes) <= min(caps)
+  fall_back = fall_back and fits_one
   check = PlanCheck(
     plan_step_s=t_plan, single_step_s=t_single, planner_step_s=float(plan.predicted_step_s),
     fell_back=slower and fall_back, planned=plan,
   )
   if slower:
-    what = "running everything on model-axis device 0" if fall_back else "keeping the given plan"
+    what = ("running everything on model-axis device 0" if fall_back else
+            "keeping the plan (one device would not fit the memory cap)" if not fits_one else
+            "keeping the given plan")
     msg = (
       f"the plan (method {plan.method}, predicted "
       f"{plan.predicted_step_s * 1e3:.3g} ms by the planner) runs in "

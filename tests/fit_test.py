@@ -15,6 +15,7 @@ class FakePlan:
   memory_caps_bytes: tuple[float, ...]
   device_peak_bytes: tuple[float, ...]
   name: str = "first"
+  assignment: tuple[int, ...] = (0, 1)
 
 
 def test_a_program_within_its_cap_is_kept_without_re_planning():
@@ -80,3 +81,30 @@ def test_after_a_re_plan_the_caps_fall_by_the_excess_over_the_bytes_saved_per_by
   second = checks[1].program_bytes - 100 * MiB
   assert asked[1] == pytest.approx(asked[0] - second / 0.5 * fit.FIT_MARGIN)
   assert checks[-1].fits and len(checks) == 3
+
+
+def test_a_re_plan_without_caps_of_its_own_is_still_held_to_the_first_plans_cap():
+  """The one-device fall-back is planned without caps: the cap asked for still applies."""
+  plan = FakePlan((100 * MiB,) * 2, (95 * MiB, 60 * MiB))
+  one = FakePlan((), (), name="one device", assignment=(0, 0))
+  sizes = {"prog": 120 * MiB, "one": 150 * MiB}
+  with pytest.raises(InfeasibleError, match=r"needs 150.00 MiB"):
+    fit.refit(plan, "prog", lambda caps: (one, "one"), measure=sizes.__getitem__)
+  assert fit.needs_check(one, (100 * MiB,) * 2) and not fit.needs_check(one)
+
+
+def test_caps_lowered_too_far_for_any_plan_are_raised_half_way_back():
+  plan = FakePlan((100 * MiB,) * 2, (95 * MiB, 60 * MiB))
+  asked = []
+
+  def replan(caps):
+    asked.append(caps[0])
+    if caps[0] < 85 * MiB:
+      raise InfeasibleError("nothing fits")
+    return FakePlan(caps, (caps[0] * 0.9,) * 2), "fits"
+
+  sizes = {"prog": 120 * MiB, "fits": 99 * MiB}
+  got, prog, checks = fit.refit(plan, "prog", replan, measure=sizes.__getitem__)
+  first = 100 * MiB - 20 * MiB * fit.FIT_MARGIN
+  assert asked == [pytest.approx(first), pytest.approx((first + 100 * MiB) / 2)]
+  assert prog == "fits" and checks[-1].fits

@@ -14,7 +14,8 @@ checked against the cap; when it is above, the planner's caps are lowered and th
 re-planned, a few times at most: the first time by the excess, then by the excess over the
 program bytes saved per byte of planner cap in the last re-plan (a secant step; paper BigLSTM
 1x8 under 8 GiB: 9.28, 8.58, 8.39 GiB per device after caps lowered by the excess each time, the
-program shrinking by about half of each cut).
+program shrinking by about half of each cut); when no plan fits the lowered caps, half way back
+towards the last caps that had one.
 """
 
 from __future__ import annotations
@@ -68,13 +69,15 @@ def program_bytes(prog: Any) -> int:
   return int(memory.report(prog, compile=False).predicted)
 
 
-def needs_check(plan: Any) -> bool:
-  """Whether `plan` is capped and some device's planner peak is near its cap."""
-  caps = tuple(getattr(plan, "memory_caps_bytes", ()) or ())
+def needs_check(plan: Any, caps: tuple[float, ...] | None = None) -> bool:
+  """Whether some device's planner peak of `plan` is near its cap (`caps`, default the plan's
+  own; none: no check). A plan without per-device figures (a heuristic's, or the one-device
+  fall-back, planned without caps) is always checked."""
+  caps = tuple(caps if caps is not None else getattr(plan, "memory_caps_bytes", ()) or ())
   peaks = tuple(getattr(plan, "device_peak_bytes", ()) or ())
   if not caps:
     return False
-  if not peaks:  # no per-device figure (a heuristic's plan): check
+  if not peaks or len(set(plan.assignment)) < 2:
     return True
   return any(p > FIT_CHECK_FRACTION * c for p, c in zip(peaks, caps))
 
@@ -108,8 +111,9 @@ def refit(
   checks: list[Refit] = []
   user_caps = tuple(float(c) for c in plan.memory_caps_bytes or ())
   caps = user_caps
-  for attempt in range(attempts + 1):
-    if not needs_check(plan):
+  replans = 0
+  while True:
+    if not needs_check(plan, caps):
       return plan, prog, checks
     need = measure(prog)
     peak = max(plan.device_peak_bytes or (0.0,))
@@ -117,7 +121,7 @@ def refit(
     checks.append(Refit(cap=cap, planner_caps=caps, planner_peak=float(peak), program_bytes=need))
     if need <= cap:
       return plan, prog, checks
-    if attempt == attempts:
+    if replans == attempts:
       break
     # Program bytes saved per byte of planner cap over the last re-plan, kept within [1/4, 1]
     # (1: the first step; a re-plan that saved nothing would otherwise stall the search).
@@ -127,21 +131,27 @@ def refit(
       saved = checks[-2].program_bytes - checks[-1].program_bytes
       rate = min(1.0, max(FIT_MIN_RATE, saved / cut)) if cut > 0 else 1.0
     excess = (need - cap) / rate * FIT_MARGIN
-    caps = tuple(c - excess for c in caps)
+    last_ok = caps
+    caps = tuple(max(c - excess, 0.0) for c in caps)
     log.info("the program needs %s per device, over the %s cap (row padding and group "
              "buffers the planner does not count): re-planning with caps %s lower",
              _size(need), _size(cap), _size(excess))
-    if min(caps) <= 0:
-      break
-    try:
-      plan, prog = replan(caps)
-    except InfeasibleError as e:
-      raise InfeasibleError(
-        f"the program needs {_size(need)} per device, over the cap of {_size(cap)}, "
-        f"and no plan fits the planner's caps lowered to leave room for that excess ({e})"
-      ) from None
+    while True:
+      replans += 1
+      try:
+        plan, prog = replan(caps)
+        break
+      except InfeasibleError as e:
+        if replans == attempts:
+          raise InfeasibleError(
+            f"the program needs {_size(need)} per device, over the cap of {_size(cap)}, and no "
+            f"plan fits the planner's caps lowered to leave room for that excess ({e})") from None
+        # Too far: half way back towards the last caps that had a plan.
+        caps = tuple((a + b) / 2 for a, b in zip(caps, last_ok))
+        log.info("no plan fits the lowered caps: re-planning with caps half way back, %s",
+                 _size(min(caps)))
   raise InfeasibleError(
     f"the program needs {_size(checks[-1].program_bytes)} per device, over the cap of "
-    f"{_size(min(user_caps))}, after {len(checks) - 1} re-plan(s) with lower planner caps "
+    f"{_size(min(user_caps))}, after {replans} re-plan(s) with lower planner caps "
     "(every device's rows are as long as the fullest device's, and group buffers as large as "
     "the largest device's values): use more model devices, more micro-batches or a larger cap")

@@ -86,9 +86,12 @@ def run(config: Any) -> dict[str, Any]:
     "memory_hardware": hw_name,
     "memory_capacity_bytes": capacity,
     "fits": fits,
+    # The planner's own reason under the cap (the table is then the uncapped plan's).
+    "planner_error": planner_error,
     "does_not_fit": None if fits else _advice(
       config, report, capacity, hybrid.plan, hybrid.mesh.shape[mesh_lib.DATA],
-      hybrid.mesh.shape[mesh_lib.MODEL]),
+      hybrid.mesh.shape[mesh_lib.MODEL])
+    + (f" (the plan under the cap: {planner_error})" if planner_error else ""),
     "mesh": {"data": hybrid.mesh.shape[mesh_lib.DATA], "model": hybrid.mesh.shape[mesh_lib.MODEL]},
   }
   try:
