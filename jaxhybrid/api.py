@@ -339,13 +339,15 @@ def parallelize(
   # Shard options: large leaves split into one piece per model device, each piece a node the
   # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
   g_traced = g
+  skipped: tuple[tuple[str, str], ...] = ()
   if plan is not None:
     g = shard_lib.apply(g, model_ax, getattr(plan, "shards", ()))
   elif model_ax > 1:
     popts = planner_lib.PlannerOptions(devices=model_ax).replace(**{
       k: v for k, v in (planner_options or {}).items() if k in ("shard_rules", "shard_min_fraction")})
-    g, _ = shard_lib.shard_leaves(
+    g, report = shard_lib.shard_leaves(
       g, model_ax, rules=tuple(popts.shard_rules), min_fraction=popts.shard_min_fraction)
+    skipped = report.skipped
   c = costs if costs is not None else default_costs(hardware)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
@@ -357,7 +359,8 @@ def parallelize(
     else:
       plan_ = planner_lib.place(g_, c, devices=model_ax, **opts)
     plan_, check_ = _check_plan(g_, plan_, c, model_ax, microbatches, prog_opts, fall_back=True)
-    plan_ = dataclasses.replace(plan_, shards=tuple(x.to_json() for x in g_.shards))
+    plan_ = dataclasses.replace(plan_, shards=tuple(x.to_json() for x in g_.shards),
+                                shard_skipped=skipped)
     if jax.process_count() > 1:
       # Every process must run the same program: time-limited searches (and ties) can differ
       # between processes, and different plans would deadlock in the first collective.

@@ -203,6 +203,10 @@ def test_a_table_no_device_can_hold_is_sharded_and_trains_exactly():
   assert (loaded.fused_makespan_s, loaded.fused_speedup) == (0.5, 1.25)
   assert loaded.predicted_step_s == hy.plan.lockstep_step_s > 0
   assert again.predicted_step_s == hy.plan.predicted_step_s == hy.plan.lockstep_step_s
+  # Leaves no rule could split are named in the plan with the reason, and survive JSON.
+  why = dataclasses.replace(hy.plan, shard_skipped=(("['w']", "read by 2 nodes"),))
+  assert "leaf ['w']: kept whole, no shard rule applies (read by 2 nodes)" in why.summary()
+  assert planner.Plan.from_json(why.to_json()).shard_skipped == why.shard_skipped
 
 
 def test_shard_options_never_price_above_the_placement_only_plan():

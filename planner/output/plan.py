@@ -115,6 +115,9 @@ class Plan:
   # ---- Split leaves (schema 3): per leaf, `jaxhybrid.graph.shard.LeafShard.to_json()`; the
   # graph the plan places is the traced graph with these leaves split (`shard.apply`).
   shards: tuple[Mapping[str, Any], ...] = ()
+  # Leaves large enough to be offered (`shard_min_fraction`) that no rule could split, with the
+  # reason, as (path, reason) pairs (schema 4, optional: () when none or not recorded).
+  shard_skipped: tuple[tuple[str, str], ...] = ()
 
   @property
   def predicted_step_s(self) -> float:
@@ -166,6 +169,7 @@ class Plan:
     out["device_peak_bytes"] = list(self.device_peak_bytes)
     out["memory_caps_bytes"] = list(self.memory_caps_bytes)
     out["shards"] = [dict(x) for x in self.shards]
+    out["shard_skipped"] = [list(x) for x in self.shard_skipped]
     # Derived (read-only): written for readers of the JSON, ignored when loading version 4.
     out["predicted_step_s"] = self.predicted_step_s
     out["predicted_speedup"] = self.predicted_speedup
@@ -208,6 +212,7 @@ class Plan:
       for key in ("device_peak_bytes", "memory_caps_bytes"):
         kw[key] = tuple(data.get(key, ()))
       kw["shards"] = tuple(dict(x) for x in data.get("shards", ()))
+      kw["shard_skipped"] = tuple((str(p), str(r)) for p, r in data.get("shard_skipped", ()))
       return cls(**kw)
     except (KeyError, TypeError) as err:
       raise ValueError(f"Malformed plan: {err}") from err
@@ -249,6 +254,8 @@ class Plan:
       how = (f"kept whole on device {devs[0]}" if spread == 1 else
              f"sharded over {spread} devices (pieces on {devs})")
       out.append(f"  leaf {s['path']}: {s['rule']} split on axis {s['axis']}, {how}")
+    out += [f"  leaf {path}: kept whole, no shard rule applies ({why})"
+            for path, why in self.shard_skipped]
     return out
 
   def _schedule_name(self) -> str:
