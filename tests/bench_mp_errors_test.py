@@ -22,7 +22,8 @@ def _jobs(whole=None):
   if whole is not None:
     single["predicted_1dev_whole_s"] = whole
   multi = {"candidate_step_s": [0.5, 0.8], "chosen_candidate": 0, "step_s_plan": 0.5, "step_s_1dev_paired": 1.1,
-           "step_s_jit_dp": 2.0, "step_s_hybrid_2x1": 1.0, "step_s_gspmd_tp": 1.0, "step_s_dp_bucketed": 0.9}
+           "step_s_jit_dp": 2.0, "step_s_hybrid_2x1": 1.0, "step_s_gspmd_tp": 1.0, "step_s_dp_bucketed": 0.9,
+           "step_s_fsdp": 0.6}
   return single, multi
 
 
@@ -36,6 +37,7 @@ def test_errors_of_every_candidate_and_the_first_pick(be):
   assert row["prediction_error_program_max"] == pytest.approx(0.2)
   assert row["step_prediction_error_max"] == pytest.approx(0.2)  # 0.64 predicted vs 0.8 measured
   assert row["first_pick_method"] == "dp" and row["first_pick_measured_speedup"] == pytest.approx(1.25)
+  assert row["ratio_vs_fsdp"] == pytest.approx(0.6 / 0.5)  # FSDP's step over the plan's
   # A candidate without the plan's own price leaves the plan error out of the summary.
   assert "plan_lockstep_prediction_error_mean" not in row and "plan_step_prediction_error_mean" not in row
   assert single["candidates"][0]["plan_step_prediction_error"] == pytest.approx(0.2)  # 0.4 vs 0.5

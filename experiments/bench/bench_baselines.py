@@ -108,6 +108,41 @@ def gspmd_tp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
   return timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
 
 
+def fsdp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
+  """Median step of FSDP as a user writes it with `NamedSharding`: every parameter leaf (and so
+  its optimizer state) sharded over all devices of `mesh` along its largest dimension that
+  divides by the device count (else replicated), the batch's leading dimension split over them,
+  plain `jax.jit` (XLA gathers the parameters for use and reduce-scatters the gradients). The
+  sharding rule is `jaxhybrid.program.memory.baseline_bytes`'s, whose memory bench_memory
+  reports."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  axes = tuple(mesh.axis_names)
+  n = mesh.size
+
+  def shard(x):
+    shape = np.shape(x)
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+      if shape[i] % n == 0:
+        spec = [None] * len(shape)
+        spec[i] = axes
+        return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+  p, s = params_state
+  rows = max(np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x))
+  params = jax.tree.map(lambda x: _put(x, shard(x)), p)
+  carry = (params, jax.jit(opt.init)(params),
+           jax.tree.map(lambda x: _put(x, NamedSharding(mesh, P())), s))
+  bt = jax.tree.map(
+    lambda x: _put(x, NamedSharding(mesh, P(axes) if np.ndim(x) and np.shape(x)[0] == rows
+                                    and rows % n == 0 else P())), batch)
+  return timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
+
+
 def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
   """Median steps of data parallelism over 'data' (the batch's leading dimension split):
   plain jit, where XLA all-reduces each gradient leaf, and `bucketed_dp_step` (one flat

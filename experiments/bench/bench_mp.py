@@ -38,6 +38,8 @@ prediction_error_program: the same with the plan priced as the program runs it (
 groups in lock step, transfers not overlapped, plus the optimizer update, gradient accumulation and
 zero-fill, timed per byte in the same process), overhead_ratio_vs_jit_dp = step_s_jit_dp /
 step_s_hybrid_2x1, ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins),
+ratio_vs_fsdp = step_s_fsdp / step_s_plan (FSDP: every leaf sharded over both devices with
+`NamedSharding`, the plan's batch split over them, plain jit; > 1: the plan wins),
 zero1_step_ratio_2x1 = step_s_hybrid_2x1_zero1 / step_s_hybrid_2x1 (the one-device plan on 2x1
 with the optimizer state sharded over 'data', ZeRO 1, against replicated; alternating rounds).
 step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
@@ -364,6 +366,10 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   out["step_s_gspmd_tp"] = bench_baselines.gspmd_tp_step_s(
     pure, opt, (p, s), batch, mesh_lib.make("1x2"), FLAGS.steps, FLAGS.warmup
   )
+  # 4) FSDP on the same two devices and the same batch per step as the plan
+  out["step_s_fsdp"] = bench_baselines.fsdp_step_s(
+    pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup
+  )
   if jax.process_index() == 0:
     (work / f"multi_{name}.json").write_text(json.dumps(out))
 
@@ -443,10 +449,36 @@ def _job_s(t_start: float) -> float:
   return FLAGS.budget_s - (time.perf_counter() - t_start)
 
 
+def _program_commit() -> str | None:
+  """The commit the program was measured at ('+changes' when jaxhybrid/planner/models differ)."""
+  import subprocess
+
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=here, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxhybrid", "planner", "models"],
+                           capture_output=True, text=True, check=True, cwd=here).stdout.strip()
+    return out + ("+changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
+_KEPT: list[dict] | None = None  # --update: the other models' rows of the earlier --out
+
+
 def _write(cases: list[dict]) -> None:
   """Writes the results so far (a model's row as soon as it exists)."""
-  if FLAGS.out:
-    pathlib.Path(FLAGS.out).write_text(json.dumps(cases, indent=1))
+  global _KEPT
+  if not FLAGS.out:
+    return
+  for c in cases:
+    c.setdefault("program", _program_commit())
+  if FLAGS.update and _KEPT is None:
+    path = pathlib.Path(FLAGS.out)
+    old = json.loads(path.read_text()) if path.exists() else []
+    _KEPT = [c for c in old if c.get("model") not in FLAGS.models]
+  pathlib.Path(FLAGS.out).write_text(json.dumps((_KEPT or []) + cases, indent=1))
 
 
 def main(argv):
@@ -469,13 +501,14 @@ def main(argv):
           "predicted_program_speedup", "prediction_error_program",
           "prediction_error_program_mean", "prediction_error_program_max",
           "step_prediction_error_mean", "first_pick_measured_speedup", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp",
-          "zero1_step_ratio_2x1"]
+          "ratio_vs_fsdp", "zero1_step_ratio_2x1"]
   print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:
     if "skipped" in c:
       print(f"{c['model']:>16} skipped: {c['skipped']}")
       continue
-    print(" ".join(f"{c[k]:>16.4g}" if isinstance(c[k], float) else f"{c[k]:>16}" for k in cols))
+    print(" ".join(f"{c.get(k):>16.4g}" if isinstance(c.get(k), float) else f"{c.get(k)!s:>16}"
+                   for k in cols))
   _write(cases)
   print(f"wrote {FLAGS.out}" if FLAGS.out else "no --out given: nothing written")
 

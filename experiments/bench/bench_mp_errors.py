@@ -72,6 +72,7 @@ def summarise(single: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
     "prediction_error_program": err(run["predicted_program_speedup"], meas),
     "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
     "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
+    "ratio_vs_fsdp": (multi["step_s_fsdp"] / multi["step_s_plan"]) if "step_s_fsdp" in multi else None,
     "predicted_1dev_error_paired": (full_1dev_s - t1_paired) / t1_paired,
     "predicted_1dev_error": (full_1dev_s - t1) / t1,
     "first_pick_method": first["plan_method"],

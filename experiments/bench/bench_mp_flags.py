@@ -56,6 +56,9 @@ flags.DEFINE_integer("lane_min_bytes", -1, "Values of at least this many bytes l
 flags.DEFINE_integer("group_grad_bytes", -1, "Most gradient bytes per device in one group "
                      "(-1: lockstep_rule.GROUP_GRAD_BYTES).")
 flags.DEFINE_string("out", "", "Write the JSON results here.")
+flags.DEFINE_boolean("update", False, "Keep the rows of other models already in --out and replace "
+                     "only those of the models this run measures; each row records the commit of "
+                     "the program that measured it ('program').")
 flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
 flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 

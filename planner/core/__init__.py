@@ -3,8 +3,8 @@
 Owns the placement problem (`problem`: per-node compute, memory and edge bytes, no graph
 library), the planner's options and typed errors (`options`), the dtypes that carry gradients
 (`dtypes`), node schedules with their independent checker (`schedule`), F/B/W task schedules
-(`task_schedule`), the time budget of a search (`clock`) and the lazy sub-module access every
-layer package uses (`lazy`).
+(`task_schedule`), the pieces of split parameter leaves by node name (`pieces`), the time
+budget of a search (`clock`) and the lazy sub-module access every layer package uses (`lazy`).
 
 May import: nothing of jaxhybrid (numpy and ml_dtypes only). Every other planner layer imports it.
 """

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxhybrid.planner.core import dtypes
+from jaxhybrid.planner.core import dtypes, pieces
 from jaxhybrid.planner.core.options import PlannerOptions
 
 # Share of a node's forward + backward time that is the forward, when a cost model gives only the
@@ -189,10 +189,8 @@ class Problem:
 
   @functools.cached_property
   def grad_units(self) -> tuple[int, ...]:
-    """Per node, its gradient unit for the lock-step group cap (`lockstep_rule.grad_units`)."""
-    from jaxhybrid.planner.pricing import lockstep_rule
-
-    return tuple(lockstep_rule.grad_units(self.names))
+    """Per node, its gradient unit for the lock-step group cap (`pieces.grad_units`)."""
+    return tuple(pieces.grad_units(self.names))
 
   def is_float(self, value: int) -> bool:
     """Whether value has a cotangent (floating dtypes)."""

@@ -6,9 +6,9 @@ kept pure (no JAX) so both use the same one.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
+from jaxhybrid.planner.core.pieces import PIECE_NAME, grad_units  # noqa: F401  (the rule's)
 from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule, _adjacency, dependencies
 
 # The most bytes of parameter gradients one device's tasks of one lock-step group may write
@@ -24,25 +24,6 @@ GROUP_GRAD_BYTES = 64 << 20
 # the link's latency, ~0.1-0.2 ms between two CPU processes over gloo, about what copying
 # 256 KiB costs on one core). The program (program.tasks) and the planner's pricer follow it.
 LANE_MIN_BYTES = 256 << 10
-
-
-# A piece of a split parameter leaf (`jaxhybrid.graph.shard`): '<node>/shard<d>' or
-# '<node>/<key>.shard<d>'.
-PIECE_NAME = re.compile(r"^(.*[/.])shard(\d+)$")
-
-
-def grad_units(names: Sequence[str]) -> list[int]:
-  """Per node, its gradient unit: the pieces of one split leaf share one (the smallest piece's
-  id), every other node is its own. A device's pieces of one leaf write that leaf's gradient,
-  which the whole leaf's node would write alone in one group: the group cap lets them share a
-  group as it lets one node in (co-located in separate groups, paper BigLSTM's softmax pieces
-  priced 42 % above the whole table's node)."""
-  first: dict[str, int] = {}
-  out = []
-  for i, name in enumerate(names):
-    m = PIECE_NAME.match(name)
-    out.append(first.setdefault(m.group(1), i) if m else i)
-  return out
 
 
 def is_grad_task(op: Op, split: bool) -> bool:
