@@ -304,7 +304,12 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   live = tasks_lib.live_bytes(prog.structure)
   consts = dict(zip(prog.graph.jaxpr.constvars, prog.graph.closed_jaxpr.consts))
   scheduled = {op.node for ops in prog.structure.schedule.devices for op in ops}
-  temps = {n: node_calls.task_temp_bytes(prog.calls, n, consts) for n in sorted(scheduled)}
+  # Each node's task temporaries are compiled once per program (the memory check after planning
+  # and the dry run's table both ask for them).
+  cache = prog.__dict__.setdefault("_task_temp_cache", {})
+  for n in sorted(scheduled - set(cache)):
+    cache[n] = node_calls.task_temp_bytes(prog.calls, n, consts)
+  temps = {n: cache[n] for n in scheduled}
   inner = tasks_lib.in_group_bytes(
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])
   return MemoryReport(
