@@ -6,12 +6,16 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 
 def _live_bytes() -> int:
   return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.live_arrays())
 
 
+# The README's fit-check command (tests/readme_test.py) checks the plan and the memory table of
+# the same dry run; this one, that nothing of the model's size is allocated in the process.
+@pytest.mark.slow
 def test_paper_gnmt_plans_for_1x4_without_allocating(tmp_path, deterministic_place):
   """--size=paper --mesh=1x4 --dry_run: the plan places every node on one of the four model
   devices, the memory table has a row per device, and no array of the model's size is made."""

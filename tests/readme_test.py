@@ -93,3 +93,14 @@ def test_the_command_line_block_runs_as_written(tmp_path):
     assert proc.returncode == 0, f"{cmd}\n{proc.stderr[-2000:]}"
   steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "a" / "metrics.jsonl").open()]
   assert steps[-1] == 30 and len(steps) == len(set(steps)), steps[-5:]
+  # The fit check planned the paper's GNMT for four model devices and compiled it per device
+  # (tests/paper_plan_test.py also checks, in one process, that nothing of its size is allocated).
+  (dry,) = (tmp_path / "runs").glob("gnmt-paper-1x4-*/results.json")
+  saved = json.loads(dry.read_text())
+  assign = saved["plan"]["assignment"]
+  assert len(assign) == saved["graph"]["nodes"] > 0
+  assert set(assign) <= {0, 1, 2, 3} and len(set(assign)) > 1, assign
+  assert saved["mesh"] == {"data": 1, "model": 4} and len(saved["plan"]["device_peak_bytes"]) == 4
+  mem = saved["memory"]
+  assert mem["compiled"] == mem["compiled_arguments"] + mem["compiled_temp"] > 4e8  # >100M params
+  assert "memory per device" in saved["memory_table"]
