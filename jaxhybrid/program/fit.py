@@ -71,13 +71,15 @@ def program_bytes(prog: Any) -> int:
 
 def needs_check(plan: Any, caps: tuple[float, ...] | None = None) -> bool:
   """Whether some device's planner peak of `plan` is near its cap (`caps`, default the plan's
-  own; none: no check). A plan without per-device figures (a heuristic's, or the one-device
-  fall-back, planned without caps) is always checked."""
+  own; none: no check). A plan without schedule peaks (the one-device fall-back, planned
+  without caps) is judged by its nodes' static bytes per device; without either, it is checked."""
   caps = tuple(caps if caps is not None else getattr(plan, "memory_caps_bytes", ()) or ())
   peaks = tuple(getattr(plan, "device_peak_bytes", ()) or ())
+  if not peaks and hasattr(plan, "device_memory"):  # no schedule peaks: the nodes' static bytes
+    peaks = tuple(plan.device_memory())
   if not caps:
     return False
-  if not peaks or len(set(plan.assignment)) < 2:
+  if not peaks:
     return True
   return any(p > FIT_CHECK_FRACTION * c for p, c in zip(peaks, caps))
 
