@@ -49,8 +49,10 @@ def test_wait_for_names_the_missing_file(tmp_path, bb):
 
 
 def test_fsdp_step_shards_every_divisible_leaf_and_trains(bb):
-  """The FSDP baseline on 2 simulated devices runs (a finite median step) on a model with a leaf
+  """The FSDP baseline on 2 simulated devices runs (a positive, finite median step) on a model with a leaf
   whose dimensions do not divide by 2 (3 and 6x3: v splits on its 6 rows, the bias stays whole)."""
+  import math
+
   import jax
   import jax.numpy as jnp
   import optax
@@ -64,4 +66,4 @@ def test_fsdp_step_shards_every_divisible_leaf_and_trains(bb):
   p = {"w": jnp.ones((8, 6)) * 0.1, "v": jnp.ones((6, 3)) * 0.1, "c": jnp.zeros((3,))}
   b = {"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 3))}
   t = bb.fsdp_step_s(pure, optax.adam(1e-3), (p, {}), b, mesh_lib.make("2x1"), steps=2, warmup=1)
-  assert 0 < t < 60 and len(jax.devices()) >= 2
+  assert math.isfinite(t) and t > 0 and len(jax.devices()) >= 2  # a step ran; its time is not judged

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 
+import provenance  # experiments/bench/ (the script's folder)
 from absl import app, flags
 
 _MODELS = flags.DEFINE_list(
@@ -214,7 +215,7 @@ def main(argv):
   rows = []
   out_path = _OUT.value
   global _KEPT, _PROGRAM
-  _PROGRAM = _program_commit()
+  _PROGRAM = provenance.program_commit()
   if _UPDATE.value and os.path.exists(out_path):
     with open(out_path) as f:
       _KEPT = json.load(f)["rows"]
@@ -288,20 +289,6 @@ def main(argv):
 # Rows of an earlier run kept by --update, and the commit this run measures.
 _KEPT: list[dict] = []
 _PROGRAM = None
-
-
-def _program_commit() -> str | None:
-  import subprocess
-
-  try:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxhybrid", "planner", "models"],
-                           capture_output=True, text=True, check=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    return out.stdout.strip() + ("+changes" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return None
 
 
 def _row_key(r):

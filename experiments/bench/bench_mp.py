@@ -82,6 +82,7 @@ import bench_baselines  # experiments/bench/ (the script's folder)
 import bench_mp_errors
 import bench_mp_flags  # noqa: F401  (defines the flags)
 import chain_model
+import provenance
 from absl import app, flags, logging
 from bench_mp_flags import BENCH_DEFAULTS, BENCH_SETS, LOCKSTEP_CANDIDATES
 
@@ -449,36 +450,15 @@ def _job_s(t_start: float) -> float:
   return FLAGS.budget_s - (time.perf_counter() - t_start)
 
 
-def _program_commit() -> str | None:
-  """The commit the program was measured at ('+changes' when jaxhybrid/planner/models differ)."""
-  import subprocess
-
-  here = os.path.dirname(os.path.abspath(__file__))
-  try:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=here, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxhybrid", "planner", "models"],
-                           capture_output=True, text=True, check=True, cwd=here).stdout.strip()
-    return out + ("+changes" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return None
-
-
-_KEPT: list[dict] | None = None  # --update: the other models' rows of the earlier --out
+_ROWS: provenance.RowsFile | None = None
 
 
 def _write(cases: list[dict]) -> None:
   """Writes the results so far (a model's row as soon as it exists)."""
-  global _KEPT
-  if not FLAGS.out:
-    return
-  for c in cases:
-    c.setdefault("program", _program_commit())
-  if FLAGS.update and _KEPT is None:
-    path = pathlib.Path(FLAGS.out)
-    old = json.loads(path.read_text()) if path.exists() else []
-    _KEPT = [c for c in old if c.get("model") not in FLAGS.models]
-  pathlib.Path(FLAGS.out).write_text(json.dumps((_KEPT or []) + cases, indent=1))
+  global _ROWS
+  if _ROWS is None:  # --update: the other models' rows of the earlier --out are kept
+    _ROWS = provenance.RowsFile(FLAGS.out, FLAGS.update, lambda r: r.get("model") in FLAGS.models)
+  _ROWS.write(cases)
 
 
 def main(argv):

@@ -5,8 +5,9 @@ micro-batches, gradient all-reduce over 'data', optax inside), its static struct
 (`structure`: parameter layout; `tasks`: slots, groups, buffers, lanes, messages), the tasks run
 in each group (`executor`), the gradient windows and flat gradient buffers (`gradients`),
 parameter rows owned per device (`param_rows`), the batch shapes a step accepts (`batch_shapes`),
-the lock-step price of a plan as the program runs it (`lockstep`), and the one-core-per-device
-CPU cluster used to time it (`localcluster`).
+the lock-step price of a plan as the program runs it (`lockstep`), whether a plan beats one
+device as the program runs them (`plan_check`), the re-plans that hold a program to its memory
+cap (`fit`), and the one-core-per-device CPU cluster used to time it (`localcluster`).
 
 May import: `jaxhybrid.graph`, `jaxhybrid.costs`, `jaxhybrid.mesh`, `jaxhybrid.noise_scale`.
 Knows nothing of the planner's search (it reads a plan's assignment and schedule) or training.
