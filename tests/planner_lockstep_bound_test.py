@@ -14,7 +14,7 @@ from jaxhybrid import planner
 from jaxhybrid.planner.lower_bounds import placement_bound
 from jaxhybrid.planner.pricing import price
 from jaxhybrid.planner.search import fbw_search
-from jaxhybrid.planner.solvers import lockstep_bound
+from jaxhybrid.planner.solvers import child, lockstep_bound
 from jaxhybrid.planner.core import task_schedule as ts
 from jaxhybrid.planner.core.problem import Problem
 from jaxhybrid.planner.core.task_schedule import Op, TaskSchedule
@@ -171,5 +171,6 @@ def test_messages_along_one_chain_add_up(monkeypatch):
   got = lockstep_bound.solve(prob, 1, None, families=("fb",), **LIMITS)
   assert got.by_family["fb"] <= want * (1 + 1e-9)
   monkeypatch.setattr(lockstep_bound, "_chain_cuts", lambda *args: None)
+  monkeypatch.setenv(child.INLINE_ENV, "1")  # the patch lives in this process
   per_device = lockstep_bound.solve(prob, 1, None, families=("fb",), **LIMITS)
   assert got.bound > per_device.bound + 0.05

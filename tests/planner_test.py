@@ -10,7 +10,7 @@ import types
 import pytest
 
 from jaxhybrid import planner
-from jaxhybrid.planner.solvers import milp
+from jaxhybrid.planner.solvers import child, milp
 from jaxhybrid.planner.core import schedule as sched
 from jaxhybrid.planner.core.problem import Problem
 
@@ -174,6 +174,7 @@ def test_missing_highs_gives_a_clear_error(monkeypatch):
     return real(*args, solver_name=solver_name, **kwargs)
 
   monkeypatch.setattr(milp.mip, "Model", no_highs)
+  monkeypatch.setenv(child.INLINE_ENV, "1")  # the patch lives in this process
   with pytest.raises(ValueError, match=r"jaxhybrid\[highs\]"):
     planner.place_problem(_random_problem(0, n=3), planner.PlannerOptions(solver="highs"))
 

@@ -40,10 +40,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 
 import mip
 
+from jaxhybrid.planner.solvers import child
 from jaxhybrid.planner.pricing import price as price_lib
 from jaxhybrid.planner.solvers.milp import new_model, node_limit, proven_bound, time_unit
 from jaxhybrid.planner.core.problem import Problem
@@ -92,6 +94,12 @@ def _closure(tasks: Sequence[Op], deps: dict[Op, list]) -> dict[Op, set[Op]]:
   return before
 
 
+def _no_solution(problem, k, **_) -> FbwResult:
+  """The result of a solve whose solver process died (child.py): no incumbent, bound 0."""
+  return FbwResult("none", math.inf, 0.0, None, None)
+
+
+@child.isolated(_no_solution)
 def solve(
   problem: Problem,
   k: int,

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import mip
 import numpy as np
 
+from jaxhybrid.planner.solvers import child
 from jaxhybrid.planner.solvers import milp
 from jaxhybrid.planner.lower_bounds import placement_bound
 from jaxhybrid.planner.core.problem import Problem
@@ -328,6 +329,13 @@ def _interchangeable(problem: Problem, caps: Sequence[float] | None) -> bool:
   return True
 
 
+def _no_solution(problem, k, caps=None, *, families=("fb", "fbw"), **_) -> LockstepBound:
+  """The result of a solve whose solver process died (child.py): the trivial bound 0."""
+  return LockstepBound(bound=0.0, by_family={f: 0.0 for f in families}, optimal=False,
+                       solve_time_s=0.0)
+
+
+@child.isolated(_no_solution)
 def solve(
   problem: Problem, k: int, caps: Sequence[float] | None = None, *, time_limit_s: float = 10.0,
   max_nodes: int | None = None, threads: int = 1, seed: int = 0, solver: str = "cbc",

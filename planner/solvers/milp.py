@@ -30,6 +30,7 @@ from jaxhybrid.planner.lower_bounds import bounds
 from jaxhybrid.planner.core import schedule as sched
 from jaxhybrid.planner.search.heuristics import Candidate, retimed
 from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.solvers import child
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,13 @@ def new_model(solver: str) -> mip.Model:
     ) from err
 
 
+def _no_solution(problem, k, *, lower_bound=0.0, **_) -> MilpResult:
+  """The result of a solve whose solver process died (child.py): no incumbent."""
+  return MilpResult(status="none", candidate=None, bound=lower_bound, restricted=False,
+                    solve_time_s=0.0)
+
+
+@child.isolated(_no_solution)
 def solve(
   problem: Problem,
   k: int,

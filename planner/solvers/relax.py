@@ -45,6 +45,7 @@ from typing import Sequence
 
 import mip
 
+from jaxhybrid.planner.solvers import child
 from jaxhybrid.planner.lower_bounds import bounds as bounds_lib
 from jaxhybrid.planner.solvers import milp
 from jaxhybrid.planner.core import schedule as sched
@@ -82,6 +83,12 @@ def _telescoped(m: mip.Model, x_col: Sequence[object], u: object, keys: Sequence
   return mip.xsum(terms) if terms else 0.0
 
 
+def _no_solution(problem, k, *, lower_bound=0.0, **_) -> RelaxResult:
+  """The result of a solve whose solver process died (child.py): the known bound only."""
+  return RelaxResult(bound=lower_bound, assignment=None, optimal=False, solve_time_s=0.0)
+
+
+@child.isolated(_no_solution)
 def solve(
   problem: Problem,
   k: int,
