@@ -16,16 +16,21 @@ from jaxhybrid.train import optim
 
 @pytest.mark.parametrize("mesh_spec,k", [("2x2", 2), ("4x2", 1), ("2x1", 2)])
 @pytest.mark.parametrize("opt_name", ["adam", "adagrad"])
-def test_zero1_matches_reference(mesh_spec, k, opt_name):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_matches_reference(mesh_spec, k, opt_name, stage):
   opt = {"adam": optax.adam(1e-2), "adagrad": optax.adagrad(0.1)}[opt_name]
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
   batch = toy.lstm_batch(16)
   two = mesh_spec.endswith("x2")
   prog, p, s, pure = build(model, toy.lstm_loss, batch, mesh_spec, split_lstm if two else (lambda n: 0),
-                           k, opt, zero=1)
+                           k, opt, zero=stage)
   W = prog.mesh.shape[DATA]
   # Every owned row splits evenly over the data replicas, and its optimizer state is sharded so.
   assert all(n % W == 0 for _, n in prog.layout.sizes)
+  if stage == 2:  # and every leaf: each replica's share is 1/W of each leaf and window
+    lay = prog.layout
+    assert all(o % W == 0 for o, d in zip(lay.offset, lay.owner) if d >= 0)
+    assert all(c % W == 0 for cs in prog.zero_cuts.values() for c in cs)
   ts = prog.init_state([np.asarray(x) for x in jax.tree.leaves(p)])
   rows = [x for x in jax.tree.leaves(ts.opt_state) if x.ndim == 2]
   assert rows and all(x.sharding.spec == jax.sharding.PartitionSpec(MODEL, DATA) for x in rows)
@@ -33,20 +38,21 @@ def test_zero1_matches_reference(mesh_spec, k, opt_name):
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
-def test_zero1_with_shared_leaves_and_global_norm_clipping():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_shared_leaves_and_global_norm_clipping(stage):
   """A tied embedding (shared over 'model', all-reduced) beside sharded rows, and a global-norm
   clip that must see every replica's slice (a clip over one slice would scale differently)."""
   opt = optax.chain(optim.clip_by_global_norm(0.05), optax.adam(1e-2))
   model = toy.LSTMNet(tied=True, rngs=nnx.Rngs(1))
   batch = toy.lstm_batch(8, seed=3)
-  prog, p, s, pure = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt, zero=1)
+  prog, p, s, pure = build(model, toy.lstm_loss, batch, "2x2", split_lstm, 2, opt, zero=stage)
   assert prog.layout.shared
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
 def test_zero_stage_is_checked():
   model = toy.LSTMNet(rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"zero=3: use one of 0, 1"):
+  with pytest.raises(ValueError, match=r"zero=3: use one of 0, 1, 2"):
     build(model, toy.lstm_loss, toy.lstm_batch(8), "2x2", split_lstm, 1, optax.adam(1e-2), zero=3)
 
 

@@ -29,10 +29,11 @@ from jax import lax
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.remat import remat_policy
-from jaxhybrid.mesh import MODEL
+from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import dtypes
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import gradients
+from jaxhybrid.program import zero as zero_lib
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.node_calls import NodeCalls, pullback_leaves, split_pullback
@@ -127,12 +128,18 @@ def run_groups(
   layout: ParamLayout,
   inp: Inputs,
   consts: dict[Any, Any],
+  zero_cuts: dict[str, tuple[int, ...]] | None = None,
+  data: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
   """Runs every group; returns (this device's loss share, flat gradients, shared gradients).
 
   The loss share is the mean over micro-batches on the loss node's device and 0 elsewhere; the
   flat gradients are one buffer per dtype holding this device's own gradient rows side by side
   (other devices' leaves never appear; `gradients.cut_rows` gives the rows).
+
+  With `zero_cuts` (ZeRO stage 2 over `data` replicas; `jaxhybrid.program.zero`), every window
+  is reduce-scattered over 'data' as it leaves its group and the flat buffers hold only this
+  replica's share of the rows (1/data of them), summed over the replicas, not yet averaged.
   """
   g = calls.graph
   k = st.schedule.microbatches
@@ -152,7 +159,8 @@ def run_groups(
     dt = structure_lib.row_dtype(r)
     base[r] = flat_len.get(dt, 0)
     flat_len[dt] = base[r] + n
-  grads = {dt: jnp.zeros((n,), dt) for dt, n in flat_len.items()}
+  W = int(data) if zero_cuts is not None else 1
+  grads = {dt: jnp.zeros((n // W,), dt) for dt, n in flat_len.items()}
   gshared = [jnp.zeros_like(x) for x in inp.shared]
 
   def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
@@ -307,7 +315,10 @@ def run_groups(
           pos = layout.offset[idx] + gv.shape[0]
         if w.starts[d] + w.length > pos:
           parts.append(jnp.zeros((w.starts[d] + w.length - pos,), w.dtype))
-        wins.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+        win = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        if zero_cuts is not None:  # [W, length/W]: row r is replica r's share
+          win = zero_lib.to_chunks(win, w.starts[d], zero_cuts[w.row_key], W)
+        wins.append(win)
       return outs, (wins, sh_g), _token(dep)
 
     return branch
@@ -333,13 +344,17 @@ def run_groups(
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):
         at = [base[w.row_key] + a for a in w.starts]
+        length = w.length
+        if zero_cuts is not None:  # this replica's share of the window, summed over replicas
+          win = lax.psum_scatter(win, DATA, scatter_dimension=0, tiled=False) if W > 1 else win[0]
+          at, length = [a // W for a in at], length // W
         start = jnp.asarray(at, jnp.int32)[me] if M > 1 else jnp.int32(at[0])
         # The offset goes through an optimization barrier: XLA's CPU backend emits a
         # dynamic-update-slice whose start it can fold to a constant as a pass over the whole
         # buffer, not in place (a 4 KiB window into a 34 MB buffer took 100 ms; with an
         # offset it cannot fold, 0.1 ms).
         start = lax.optimization_barrier(start)
-        cur = lax.dynamic_slice(grads[w.dtype], (start,), (w.length,))
+        cur = lax.dynamic_slice(grads[w.dtype], (start,), (length,))
         grads[w.dtype] = lax.dynamic_update_slice(grads[w.dtype], cur + win, (start,))
         last[w.dtype] = start
       if M > 1 and last:

@@ -105,6 +105,7 @@ def gradient_windows(
         cur: list[Any] = []
         for idx in sorted(touched.get((row, d), ()), key=lambda i: layout.offset[i]):
           lo, n = layout.offset[idx], math.prod(layout.shapes[idx])
+          n = -(-n // layout.leaf_multiple) * layout.leaf_multiple  # the leaf's extent
           big = n * item >= split_bytes
           if cur and not cur[3] and not big and (lo - cur[1]) * item < split_bytes:
             cur[1], cur[2] = lo + n, cur[2] + (idx,)

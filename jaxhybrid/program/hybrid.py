@@ -43,6 +43,7 @@ from jaxhybrid.mesh import DATA, MODEL, owned_rows_over
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
 from jaxhybrid.program import tasks as tasks_lib
+from jaxhybrid.program import zero as zero_lib
 from jaxhybrid.program.structure import (
   DEFAULT_PACK_MAX_BYTES,
   ParamLayout,
@@ -86,37 +87,42 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 # ZeRO stages the program runs (see HybridProgram.zero).
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2)
 
 
 def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, sq_worker, W):
-  """The step's tail under ZeRO stage 1, inside shard_map: each data replica reduce-scatters
-  the gradient rows (its slice, averaged over 'data'), updates its slice of the parameters with
-  its slice of the optimizer state, and all-gathers the updated rows.
+  """The step's tail under ZeRO, inside shard_map: each data replica takes its share of the
+  gradient rows (averaged over 'data'), updates its share of the parameters with its share of the
+  optimizer state, and all-gathers the updated shares into whole rows (`jaxhybrid.program.zero`
+  says which elements are a replica's share).
 
-  One reduce-scatter and one all-gather per dtype, not per row: each row of the dtype is viewed
-  as [W, n/W], the rows are laid side by side as one [W, S] buffer (a copy of the flat gradient
-  buffer) and scattered over its first axis. Per row, the collectives cost their latency each;
-  over gloo on 2 CPU processes that made GNMT-small's 2x1 step 24 % slower than the all-reduce of
-  the flat buffer.
+  Stage 1: `g_owned` are the whole flat gradient buffers; one reduce-scatter per dtype, not per
+  row: the rows of the dtype, each viewed as [W, n/W], are laid side by side as one [W, S]
+  buffer and scattered over its first axis. (Per row, the collectives cost their latency each;
+  over gloo on 2 CPU processes that made GNMT-small's 2x1 step 24 % slower than the all-reduce
+  of the flat buffer.) Stage 2: `g_owned` are already this replica's shares, summed over the
+  replicas as the groups made them (executor.run_groups). One all-gather per dtype either way.
   """
-  g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
-  g_rows = gradients.cut_rows(prog.layout, g_owned)
+  cuts = prog.zero_cuts
   r = lax.axis_index(DATA)
   by_dtype = rows_by_dtype(prog.layout.sizes)
   g_mine, p_mine = {}, {}
-  for keys in by_dtype.values():
-    parts = [g_rows[k].reshape(W, -1) for k in keys]
-    if W > 1:  # the replicas' slices of every row, summed, then averaged like pmean
-      mine = lax.psum_scatter(jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0],
-                              DATA, scatter_dimension=0, tiled=False) / W
+  if prog.zero == 1:
+    g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
+    g_rows = gradients.cut_rows(prog.layout, g_owned)
+  for dt, keys in by_dtype.items():
+    if prog.zero == 1:
+      parts = [zero_lib.to_chunks(g_rows[k], 0, cuts[k], W) for k in keys]
+      stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+      mine = lax.psum_scatter(stacked, DATA, scatter_dimension=0, tiled=False) if W > 1 else stacked[0]
     else:
-      mine = jnp.concatenate(parts, axis=1)[0] if len(parts) > 1 else parts[0][0]
+      mine = g_owned[dt]
+    mine = mine / W  # the replicas' sum -> their mean, as pmean
     at = 0
-    for k, part in zip(keys, parts):
-      n = part.shape[1]
-      g_mine[k] = lax.slice_in_dim(mine, at, at + n)[None] if len(keys) > 1 else mine[None]
-      p_mine[k] = lax.dynamic_slice_in_dim(params["owned"][k], r * n, n, axis=1)
+    for k in keys:
+      n = dict(prog.layout.sizes)[k] // W
+      g_mine[k] = (lax.slice_in_dim(mine, at, at + n) if len(keys) > 1 else mine)[None]
+      p_mine[k] = zero_lib.share(params["owned"][k][0], cuts[k], r, W)[None]
       at += n
   # |g|^2 at the global batch: the slices over both axes, plus the (replicated) shared leaves.
   sq_global = lax.psum(_sq(g_mine), (MODEL, DATA)) + _sq(g_shared)
@@ -134,7 +140,7 @@ def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, 
     for k, x in zip(keys, slices):
       n = x.shape[0]
       part = full[:, at:at + n] if len(keys) > 1 else full
-      owned[k] = part.reshape(1, W * n)
+      owned[k] = zero_lib.from_chunks(part, cuts[k], W)[None]
       at += n
   return {"owned": owned, "shared": mine["shared"]}, opt_state, loss, (sq_worker, sq_global)
 
@@ -176,8 +182,12 @@ class HybridProgram:
   # optimizer state over 'data' (rows padded to a multiple of the data width), reduce-scatters
   # the gradient rows in place of the all-reduce, updates each replica's slice and all-gathers
   # the updated parameters: the same bytes on the wire (a ring all-reduce is a reduce-scatter
-  # plus an all-gather), 1/W of the optimizer state. Shared (replicated) leaves keep the
-  # all-reduce and a full optimizer state.
+  # plus an all-gather), 1/W of the optimizer state. 2 also keeps only a 1/W share of the
+  # gradient rows: each group's gradient windows are reduce-scattered over 'data' as they are
+  # made (k reduce-scatters per step, not one), so the whole gradient row never exists; every
+  # leaf is padded to a multiple of W. Under stage 2 the step reports no per-worker gradient
+  # norm (no replica holds its whole gradient), so no noise-scale metrics. Shared (replicated)
+  # leaves keep the all-reduce and a full optimizer state. See jaxhybrid.program.zero.
   zero: int = 0
   _step: Callable | None = None
 
@@ -225,8 +235,8 @@ class HybridProgram:
       pack_max_bytes: accepted for compatibility; messages are packed per (shift, dtype).
       branch_remat: 'none', 'dots' (F saves matmul/conv outputs only) or 'full' (every node
         rematerialised).
-      zero: 0 (optimizer state replicated over 'data') or 1 (sharded over 'data'; see the
-        `zero` attribute).
+      zero: 0 (optimizer state replicated over 'data'), 1 (sharded over 'data') or 2 (the
+        gradient rows too; see the `zero` attribute).
 
     Raises:
       ValueError: if the assignment or the schedule does not fit the graph or the mesh.
@@ -234,7 +244,7 @@ class HybridProgram:
     M = mesh.shape[MODEL]
     if zero not in ZERO_STAGES:
       raise ValueError(f"zero={zero!r}: use one of {', '.join(map(str, ZERO_STAGES))} (0: optimizer "
-                       "state replicated over 'data'; 1: sharded over 'data')")
+                       "state replicated over 'data'; 1: sharded over 'data'; 2: gradients too)")
     if len(assignment) != len(graph.nodes):
       raise ValueError(
         f"the plan places {len(assignment)} nodes but the graph has {len(graph.nodes)}: "
@@ -273,12 +283,25 @@ class HybridProgram:
     return cls(
       graph=graph, mesh=mesh, optimizer=optimizer, assignment=assignment,
       microbatches=microbatches,
-      layout=param_layout(graph, assignment, M, row_multiple=mesh.shape[DATA] if zero else 1),
+      layout=param_layout(graph, assignment, M, row_multiple=mesh.shape[DATA] if zero else 1,
+                          leaf_multiple=mesh.shape[DATA] if zero == 2 else 1),
       schedule=schedule, structure=structure, calls=calls,
       per_example=tuple(per_example), state_leaves=state_leaves, remat=remat_ids,
       canonical_convs=canonical, pack_max_bytes=int(pack_max_bytes), branch_remat=branch_remat,
       zero=int(zero),
     )
+
+  @property
+  def zero_cuts(self) -> dict[str, tuple[int, ...]]:
+    """Per row key, the segments whose 1/W pieces are a data replica's share (zero.py)."""
+    if "_zero_cuts" not in self.__dict__:
+      W = self.mesh.shape[DATA]
+      if self.zero == 2:
+        windows = gradients.gradient_windows(self.structure, self.graph, self.layout)
+        self.__dict__["_zero_cuts"] = zero_lib.row_cuts(self.layout, windows, W)
+      else:
+        self.__dict__["_zero_cuts"] = zero_lib.whole_rows(self.layout.sizes)
+    return self.__dict__["_zero_cuts"]
 
   # ---- parameter packing ----------------------------------------------------------------------
   def pack(self, leaves: Sequence[Any]) -> dict[str, Any]:
@@ -352,7 +375,9 @@ class HybridProgram:
         mbatches.append([x] * k)
     consts = dict(zip(self.graph.jaxpr.constvars, self.graph.closed_jaxpr.consts))
     inputs = executor.Inputs(rows=owned, shared=list(shared), state=state, microbatches=mbatches)
-    return executor.run_groups(self.structure, self.calls, self.layout, inputs, consts)
+    return executor.run_groups(
+      self.structure, self.calls, self.layout, inputs, consts,
+      zero_cuts=self.zero_cuts if self.zero == 2 else None, data=self.mesh.shape[DATA])
 
   @property
   def per_worker_batch(self) -> int:
@@ -373,8 +398,10 @@ class HybridProgram:
         owned, list(params["shared"]), list(state), list(batch)
       )
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
-      # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input).
-      sq_worker = lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA)
+      # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input); under
+      # stage 2 no replica holds its worker's whole gradient: not reported.
+      sq_worker = (jnp.full((), jnp.nan, jnp.float32) if self.zero == 2
+                   else lax.pmean(_sq(g_owned, MODEL) + _sq(g_shared), DATA))
       if W > 1:  # (on one worker the all-reduce would only copy the gradient rows)
         if not self.zero:
           g_owned = jax.tree.map(lambda x: lax.pmean(x, DATA), g_owned)
@@ -416,8 +443,10 @@ class HybridProgram:
       params, opt_state, loss, (sq_worker, sq_global) = f(
         ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves)
       )
-      metrics = {"loss": loss, "grad_sq_norm": sq_global, "worker_grad_sq_norm": sq_worker}
-      if W > 1:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
+      metrics = {"loss": loss, "grad_sq_norm": sq_global}
+      if self.zero != 2:
+        metrics["worker_grad_sq_norm"] = sq_worker
+      if W > 1 and self.zero != 2:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
         g2, tr = noise_lib.noise_scale_estimates(sq_worker, sq_global, b, W * b)
         metrics.update(noise_g2=g2, noise_trace_sigma=tr)
       return TrainState(params, opt_state, ts.step + 1), metrics

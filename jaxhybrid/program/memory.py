@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.program import gradients, node_calls
+from jaxhybrid.program import zero as zero_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.structure import TrainState, row_dtype, rows_by_dtype
 
@@ -138,7 +139,7 @@ class MemoryReport:
 
 
 def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | None = None,
-                      data_shards: int = 1) -> int:
+                      data_shards: int = 1, zero: int | None = None) -> int:
   """XLA's compiled temp bytes of the step's tail on one device, from abstract inputs.
 
   The tail as the step runs it: the gradient row made from zeros and windows (`window` elements
@@ -150,6 +151,9 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   With `data_shards` W > 1 (ZeRO): the update runs on a 1/W slice of each row with a 1/W slice
   of the optimizer state, from the row's sum over its W parts (the reduce-scatter's output
   size), and the updated slice is repeated back to the row's length (the all-gather's).
+  Under ZeRO stage 2 (`zero=2`) there is no whole gradient row: the 1/W accumulator is made from
+  zeros and the window's share (`window` / W elements) added into it, then as stage 1. Returned
+  then: the temp less that accumulator.
   """
   import jax.numpy as jnp
   import optax
@@ -165,6 +169,44 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   first = row if row is not None else min((r for r, _ in layout.sizes), default=None)
   window = min(window, dict(layout.sizes).get(first, 0))
   win = jax.ShapeDtypeStruct((window,), row_dtype(first) if first else np.float32)
+
+  stage = (1 if W > 1 else 0) if zero is None else int(zero)
+
+  def tail2(p, o, g, w, start):
+    # As hybrid._zero_tail at stage 2: the replica's share of each row, from its accumulator.
+    flat, base = {}, {}
+    for r, n in layout.sizes:
+      dt = row_dtype(r)
+      base[r] = flat.get(dt, 0)
+      flat[dt] = base[r] + n // W
+    flat = {dt: jnp.zeros((n,), dt) for dt, n in flat.items()}
+    if window:
+      dt, n = row_dtype(first), dict(layout.sizes)[first] // W
+      for j, length in enumerate((1, max(1, window // W))):
+        x = jax.lax.switch((start + j) % 2, [lambda x: x, lambda x: -x], w[:length])
+        at = base[first] + (start + j) % (n - length + 1)
+        cur = jax.lax.dynamic_slice(flat[dt], (at,), (length,))
+        flat[dt] = jax.lax.dynamic_update_slice(flat[dt], cur + x, (at,))
+    g_mine, p_mine, pos = {}, {}, {}
+    for r, n in layout.sizes:
+      dt = row_dtype(r)
+      at = pos.get(dt, 0)
+      g_mine[r] = (flat[dt][at:at + n // W] / W)[None]
+      p_mine[r] = p["owned"][r][:, :n // W]
+      pos[dt] = at + n // W
+    sq = gradients.sum_of_squares(g_mine) + gradients.sum_of_squares(g["shared"])
+    mine = {"owned": p_mine, "shared": p["shared"]}
+    u, o = optimizer.update({"owned": g_mine, "shared": g["shared"]}, o, mine)
+    mine = optax.apply_updates(mine, u)
+    owned = {}
+    for keys in rows_by_dtype(layout.sizes).values():
+      full = jnp.tile(jnp.concatenate([mine["owned"][r][0] for r in keys])[None], (W, 1))
+      at = 0
+      for r in keys:
+        n = mine["owned"][r].shape[1]
+        owned[r] = full[:, at:at + n].reshape(1, W * n)
+        at += n
+    return {"owned": owned, "shared": mine["shared"]}, o, sq
 
   def tail(p, o, g, w, start):
     # The gradient rows as the step makes them (executor.run_groups): one flat buffer per dtype
@@ -221,8 +263,9 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     return {"owned": owned, "shared": mine["shared"]}, o, sq
 
   start = jax.ShapeDtypeStruct((), np.int32)
-  compiled = jax.jit(tail, donate_argnums=(0, 1)).lower(params, opt, params, win, start).compile()
-  rows = layout.row_bytes()
+  fn = tail2 if stage == 2 else tail
+  compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(params, opt, params, win, start).compile()
+  rows = layout.row_bytes() // (W if stage == 2 else 1)
   # The tail's temp holds the gradient row itself (made inside, as in the step): counted apart.
   return max(0, int(compiled.memory_analysis().temp_size_in_bytes) - rows)
 
@@ -276,12 +319,12 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
   params = row_bytes + shared
   opt = _nbytes(ts.opt_state)
+  W = prog.mesh.shape[DATA]
   # Row-sharded optimizer leaves hold 1/M of their global bytes per device.
   row_shapes = {(M, n) for _, n in lay.sizes}
   opt_rows = sum(
     _nbytes(x) for x in jax.tree.leaves(ts.opt_state) if tuple(x.shape) in row_shapes
   )
-  W = prog.mesh.shape[DATA]
   # Under ZeRO the rows' optimizer state is also split over the W data replicas.
   opt_per_device = opt - opt_rows + opt_rows // (M * (W if getattr(prog, "zero", 0) else 1))
   batch = abstract_batch(prog)
@@ -290,9 +333,22 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   )
   owned = lay.bytes_per_device()
   all_windows = [ws for ws in gradients.gradient_windows(prog.structure, prog.graph, lay) if ws]
-  window = max(
-    (sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws) for ws in all_windows), default=0
-  )
+  zero = getattr(prog, "zero", 0)
+  W = prog.mesh.shape[DATA]
+
+  def group_windows(ws) -> int:
+    out = sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws)
+    if zero == 2:  # + a window cut into several segments is copied into its [W, L/W] form,
+      # + the reduce-scatter's output (its share)
+      cuts = prog.zero_cuts
+      out += max(
+        (w.nbytes for w in ws
+         if any(len(zero_lib.pieces(s, s + w.length, cuts[w.row_key])) > 1 for s in w.starts)),
+        default=0)
+      out += sum(w.nbytes // W for w in ws)
+    return out
+
+  window = max((group_windows(ws) for ws in all_windows), default=0)
   last = all_windows[-1][-1] if all_windows else None
   fields: dict[str, Any] = {}
   if compile:
@@ -313,12 +369,13 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   inner = tasks_lib.in_group_bytes(
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])
   return MemoryReport(
-    devices=M, params=params, optimizer=opt_per_device, gradients=params,
+    devices=M, params=params, optimizer=opt_per_device,
+    gradients=params if zero != 2 else row_bytes // W + shared,
     live_peak=max(live, default=0), window=window,
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
     update_temp=update_temp_bytes(
       prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
-      data_shards=W if getattr(prog, "zero", 0) else 1),
+      data_shards=W if zero else 1, zero=zero),
     batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )

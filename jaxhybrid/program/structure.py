@@ -74,6 +74,8 @@ class ParamLayout:
   dtypes: tuple[str, ...]
   devices: int
   row_of: tuple[str, ...] = ()
+  # Every owned leaf's extent in its row is a multiple of this (zeros after the leaf).
+  leaf_multiple: int = 1
 
   def __post_init__(self):
     if not self.row_of:  # one packed row per dtype
@@ -96,14 +98,16 @@ class ParamLayout:
 def param_layout(
   graph: graph_lib.OpGraph, assignment: Sequence[int], devices: int,
   *, slot_min_bytes: int | None = None, slot_extra_fraction: float | None = None,
-  row_multiple: int = 1,
+  row_multiple: int = 1, leaf_multiple: int = 1,
 ) -> ParamLayout:
   """Assigns every parameter leaf to the device of the nodes that read it (or shares it), and
   to a row of that device (module docstring; defaults SLOT_MIN_BYTES, SLOT_EXTRA_FRACTION).
   Every row's length is rounded up to a multiple of `row_multiple` (the data width when the
-  optimizer state is sharded over 'data': each data replica then holds an equal slice)."""
-  if row_multiple < 1:
-    raise ValueError(f"row_multiple={row_multiple}: use 1 or more")
+  optimizer state is sharded over 'data': each data replica then holds an equal slice), and
+  every owned leaf's extent to a multiple of `leaf_multiple` (ZeRO stage 2: each replica then
+  holds an equal share of every leaf; see jaxhybrid.program.zero)."""
+  if row_multiple < 1 or leaf_multiple < 1:
+    raise ValueError(f"row_multiple={row_multiple}, leaf_multiple={leaf_multiple}: use 1 or more")
   min_bytes = SLOT_MIN_BYTES if slot_min_bytes is None else slot_min_bytes
   if min_bytes is None:
     min_bytes = float("inf")
@@ -113,7 +117,8 @@ def param_layout(
   for node in graph.nodes:
     for leaf in node.param_leaves:
       users[leaf].add(int(assignment[node.id]))
-  n_of = [int(math.prod(a.shape)) for a in avals]
+  # Extents: each leaf's elements rounded up to a multiple of leaf_multiple (zeros after it).
+  n_of = [-(-int(math.prod(a.shape)) // leaf_multiple) * leaf_multiple for a in avals]
   dts = [np.dtype(a.dtype).name for a in avals]
   owner: list[int] = []
   shared = []
@@ -159,7 +164,7 @@ def param_layout(
   return ParamLayout(
     owner=tuple(owner), offset=tuple(offset), sizes=tuple(sizes), shared=tuple(shared),
     shapes=tuple(tuple(a.shape) for a in avals), dtypes=tuple(dts), devices=devices,
-    row_of=tuple(row_of),
+    row_of=tuple(row_of), leaf_multiple=int(leaf_multiple),
   )
 
 
