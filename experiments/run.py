@@ -33,7 +33,8 @@ _SCHEDULE = flags.DEFINE_string(
   "in lock step, its own group-by-group orders included).")
 _ZERO = flags.DEFINE_integer(
   "zero", runner.DEFAULT_ZERO,
-  "ZeRO stage over the data axis: 0 = full optimizer state per data replica, 1 = sharded over them.")
+  "ZeRO stage over the data axis: 0 = full optimizer state per data replica, 1 = sharded over "
+  "them, 2 = gradients sharded too (reduce-scattered per micro-batch).")
 _SHARD = flags.DEFINE_boolean(
   "shard", True, "Let the planner split large parameter leaves (embedding, softmax and big dense "
   "tables) into one piece per model device; --noshard keeps every leaf whole.")

@@ -28,7 +28,7 @@ from jaxhybrid.train import runner
     (["--set", "forget_bias=nan"], "--set forget_bias=nan: must be a finite number"),
     # Beyond the tiny preset's vocabulary (the size this CPU run resolves to).
     (["--set", "num_sampled=1000"], "--set num_sampled=1000 must be in [0, vocab_size="),
-    (["--zero=2"], "--zero=2: use 0"),
+    (["--zero=3"], "--zero=3: use 0"),
     (["--memory_cap_gib=-1"], "--memory_cap_gib=-1.0: use a positive number of GiB"),
     (["--batch=-1"], "--batch=-1: must be positive"),
     (["--batch=0"], "--batch=0: must be positive"),

@@ -68,5 +68,9 @@ def test_projection_exposes_the_all_gather_half_under_zero():
     t_ar, projection.CommConfig(overlap=1.0, zero=1)) == pytest.approx(0.1)
   assert projection.framework.exposed_comm_s(t_ar, projection.CommConfig(zero=1)) == pytest.approx(
     projection.framework.exposed_comm_s(t_ar, projection.CommConfig()))
-  with pytest.raises(ValueError, match="zero=2"):
-    projection.CommConfig(zero=2)
+  # Stage 2: one reduce-scatter per micro-batch, each hidden like stage 1's, the all-gather not.
+  assert projection.framework.exposed_comm_s(
+    t_ar, projection.CommConfig(overlap=0.5, zero=2, reduce_scatters=4)) == pytest.approx(
+      0.5 * 4 * 0.1 + 0.1)
+  with pytest.raises(ValueError, match="zero=3"):
+    projection.CommConfig(zero=3)

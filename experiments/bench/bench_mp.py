@@ -41,7 +41,8 @@ step_s_hybrid_2x1, ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the p
 ratio_vs_fsdp = step_s_fsdp / step_s_plan (FSDP: every leaf sharded over both devices with
 `NamedSharding`, the plan's batch split over them, plain jit; > 1: the plan wins),
 zero1_step_ratio_2x1 = step_s_hybrid_2x1_zero1 / step_s_hybrid_2x1 (the one-device plan on 2x1
-with the optimizer state sharded over 'data', ZeRO 1, against replicated; alternating rounds).
+with the optimizer state sharded over 'data', ZeRO 1, against replicated; rotating rounds),
+zero2_step_ratio_2x1 likewise with the gradients sharded too (ZeRO 2).
 step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
 step| / measured step: the lock-step model's own error, without the 1-device side;
 plan_lockstep_prediction_error (_mean / _max): the plan's own lock-step price
@@ -340,19 +341,21 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   if FLAGS.compare_unpacked and _pack_max_bytes() > 0:
     out["step_s_plan_unpacked"] = time_plan(plans[best], 0)
   # 2) data parallel 2x1: plain jit vs the hybrid program (one-device plan), the program with the
-  # optimizer state replicated (ZeRO 0) and sharded over 'data' (ZeRO 1), timed in alternating
-  # rounds in the same processes (their ratio is the figure: zero1_step_ratio_2x1).
+  # optimizer state replicated (ZeRO 0), sharded over 'data' (ZeRO 1) and with the gradients
+  # sharded too (ZeRO 2), timed in rotating rounds in the same processes (their ratios are the
+  # figures: zero1_step_ratio_2x1, zero2_step_ratio_2x1).
   batch2 = spec.synthetic_batch(0, 2 * b)
   m21 = mesh_lib.make("2x1")
   dp_runs = []
-  for z in (0, 1):
+  stages = (0, 1, 2)
+  for z in stages:
     hy21 = api.parallelize(model, spec.loss_fn, opt, batch2, mesh=m21, microbatches=1,
                            planner="single", program_options={"zero": z})
     dp_runs.append([lambda st, bt, h=hy21: h.program.step_fn()(st, bt), hy21.init(),
                     hy21.program.shard_batch(batch2)])
-  dp_times: list[list[float]] = [[], []]
+  dp_times: list[list[float]] = [[] for _ in stages]
   for r in range(max(1, FLAGS.rounds)):
-    for z in ((0, 1) if r % 2 == 0 else (1, 0)):
+    for z in stages[r % len(stages):] + stages[:r % len(stages)]:
       fn, state, bt = dp_runs[z]
       t, dp_runs[z][1], _ = bench_baselines.step_times(fn, state, bt, FLAGS.steps, FLAGS.warmup)
       dp_times[z].append(t)
@@ -360,6 +363,8 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   out["step_s_hybrid_2x1"] = float(np.median(np.concatenate(dp_times[0])))
   out["step_s_hybrid_2x1_zero1"] = float(np.median(np.concatenate(dp_times[1])))
   out["zero1_step_ratio_2x1"] = out["step_s_hybrid_2x1_zero1"] / out["step_s_hybrid_2x1"]
+  out["step_s_hybrid_2x1_zero2"] = float(np.median(np.concatenate(dp_times[2])))
+  out["zero2_step_ratio_2x1"] = out["step_s_hybrid_2x1_zero2"] / out["step_s_hybrid_2x1"]
   out["step_s_jit_dp"], out["step_s_dp_bucketed"] = bench_baselines.dp_steps_s(
     pure, opt, (p, s), batch2, m21, FLAGS.steps, FLAGS.warmup
   )
@@ -481,7 +486,7 @@ def main(argv):
           "predicted_program_speedup", "prediction_error_program",
           "prediction_error_program_mean", "prediction_error_program_max",
           "step_prediction_error_mean", "first_pick_measured_speedup", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp",
-          "ratio_vs_fsdp", "zero1_step_ratio_2x1"]
+          "ratio_vs_fsdp", "zero1_step_ratio_2x1", "zero2_step_ratio_2x1"]
   print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:
     if "skipped" in c:

@@ -111,8 +111,12 @@ class CommConfig:
   # `overlap` of it hidden. 1: its two halves at the same bytes, a reduce-scatter (`overlap` of
   # it hidden behind the backward pass) and an all-gather of the updated parameters, which runs
   # after the optimizer and is never hidden (assumption: the next step's forward does not start
-  # before it ends, as in our program).
+  # before it ends, as in our program). 2: a reduce-scatter per micro-batch (`reduce_scatters`
+  # of them, `overlap` of each hidden) and the all-gather.
   zero: int = 0
+  # Gradient reduce-scatters per step under ZeRO stage 2: the program reduce-scatters each
+  # micro-batch's gradients as they are made, so its micro-batches per step.
+  reduce_scatters: int = 1
 
   def __post_init__(self):
     if not 0 <= self.overlap <= 1:
@@ -120,8 +124,10 @@ class CommConfig:
     for name in ("link_efficiency", "nic_efficiency"):
       if not 0 < getattr(self, name) <= 1:
         raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1].")
-    if self.zero not in (0, 1):
-      raise ValueError(f"zero={self.zero}; use 0 or 1.")
+    if self.zero not in (0, 1, 2):
+      raise ValueError(f"zero={self.zero}; use 0, 1 or 2.")
+    if self.reduce_scatters < 1:
+      raise ValueError(f"reduce_scatters={self.reduce_scatters}; use 1 or more.")
     if self.algorithm not in ("ring", "hierarchical", "auto"):
       raise ValueError(f"algorithm={self.algorithm!r}; use 'ring', 'hierarchical' or 'auto'.")
 
@@ -302,9 +308,11 @@ def step_time(w: Workload, devices: int, m: int, hw: hw_lib.Hardware, comm: Comm
 def exposed_comm_s(t_ar: float, comm: CommConfig) -> float:
   """The part of a step's gradient exchange (`t_ar`: the ring all-reduce's time) the backward
   pass does not hide: all of it but `overlap` for an all-reduce; under ZeRO stage 1 the
-  reduce-scatter half hidden likewise, the all-gather half never (see CommConfig.zero)."""
+  reduce-scatter half hidden likewise, the all-gather half never; under stage 2 one such
+  reduce-scatter per micro-batch (see CommConfig.zero)."""
   if comm.zero:
-    return (1.0 - comm.overlap) * t_ar / 2 + t_ar / 2
+    scatters = comm.reduce_scatters if comm.zero == 2 else 1
+    return (1.0 - comm.overlap) * scatters * t_ar / 2 + t_ar / 2
   return (1.0 - comm.overlap) * t_ar
 
 
@@ -434,7 +442,10 @@ def assumptions(w: Workload, hw: hw_lib.Hardware, comm: CommConfig) -> tuple[tup
     ("nic_efficiency", f"{comm.nic_efficiency:g} of InfiniBand bandwidth"),
     ("allreduce_algorithm", comm.algorithm),
     ("zero", "all-reduce" if not comm.zero else
-     "ZeRO 1: reduce-scatter (overlap applies) + all-gather after the update (exposed)"),
+     "ZeRO 1: reduce-scatter (overlap applies) + all-gather after the update (exposed)"
+     if comm.zero == 1 else
+     f"ZeRO 2: {comm.reduce_scatters} reduce-scatter(s) (overlap applies) + all-gather after "
+     "the update (exposed)"),
     ("hardware", f"{hw.name}: {hw.device_kind}, {hw.peak_flops / 1e12:g} TFLOP/s "
      f"{hw.peak_flops_dtype} at efficiency {hw.efficiency:g}; {hw.source}"),
     ("latencies",

@@ -117,8 +117,8 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
           + "; try more model devices "
           f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch}) or more --microbatches "
           f"(now {config.microbatches})"
-          + (", or --zero=1 (optimizer state sharded over the data replicas)"
-             if data > 1 and not getattr(config, "zero", 0) else ""))
+          + (", or --zero=2 (optimizer state and gradients sharded over the data replicas)"
+             if data > 1 and getattr(config, "zero", 0) < 2 else ""))
 
 
 def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:

@@ -39,9 +39,14 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
   ar = costs.allreduce_time_s(grad_bytes, workers)
   # Under ZeRO stage 1 the rows' all-reduce is a reduce-scatter plus an all-gather: the same
   # bytes over the same ring, so the same time (none of it overlaps compute in the program).
+  # Stage 2 reduce-scatters every micro-batch's gradients: k halves plus the all-gather's half.
+  zero = getattr(prog, "zero", 0)
+  if zero == 2 and workers > 1:
+    ar *= (prog.microbatches + 1) / 2
   return {"fused_makespan_s": hybrid.plan.fused_makespan_s, "lockstep_step_s": lock, "allreduce_s": ar,
           "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes),
-          "data_exchange": "reduce-scatter + all-gather" if getattr(prog, "zero", 0) else "all-reduce"}
+          "data_exchange": ("all-reduce" if not zero else "reduce-scatter + all-gather" if zero == 1
+                            else f"{prog.microbatches} reduce-scatters + all-gather")}
 
 
 def project(config: Any, plan: Any, model_axis: int) -> Any:
@@ -68,6 +73,7 @@ def project(config: Any, plan: Any, model_axis: int) -> Any:
   est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8],
                              model_overrides=overrides).s_mp[0]
   w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
-  comm = projection.CommConfig(zero=getattr(config, "zero", 0))
+  comm = projection.CommConfig(zero=getattr(config, "zero", 0),
+                               reduce_scatters=max(1, int(getattr(config, "microbatches", 1) or 1)))
   p = projection.project(w, hw, comm, [2**i for i in range(11)], m=m)
   return p, est

@@ -74,7 +74,8 @@ class RunConfig:
   schedule: str = "1f1b"
   # ZeRO stage over the data axis: 0 = every data replica keeps its model row's full optimizer
   # state; 1 = that state is sharded over the data replicas (gradients reduce-scattered, updated
-  # parameters all-gathered: the all-reduce's bytes). See HybridProgram.zero.
+  # parameters all-gathered: the all-reduce's bytes); 2 = the gradient rows too (reduce-scattered
+  # per micro-batch). See HybridProgram.zero.
   zero: int = DEFAULT_ZERO
   # Offer shard options: large parameter leaves (embedding and softmax tables, big dense layers)
   # may be split into one piece per model device, each placed by the planner

@@ -49,9 +49,9 @@ def validate(config: Any) -> None:
     raise errors.UsageError(
       f"--batch={config.batch} (per worker) is not divisible by --microbatches={config.microbatches}: "
       f"use a multiple of {config.microbatches}, e.g. --batch={config.microbatches * max(1, config.batch // config.microbatches)}")
-  if config.zero not in (0, 1):
-    raise errors.UsageError(f"--zero={config.zero}: use 0 (optimizer state on every data replica) "
-                            "or 1 (sharded over the data replicas)")
+  if config.zero not in (0, 1, 2):
+    raise errors.UsageError(f"--zero={config.zero}: use 0 (optimizer state on every data replica), "
+                            "1 (sharded over the data replicas) or 2 (gradients too)")
   if config.steps < 1:
     raise errors.UsageError(f"--steps={config.steps}: must be positive (training steps)")
   if config.checkpoint_every < 0:
