@@ -339,13 +339,13 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   def group_windows(ws) -> int:
     out = sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws)
     if zero == 2:  # + a window cut into several segments is copied into its [W, L/W] form,
-      # + the reduce-scatter's output (its share)
+      # + one reduce-scatter's output (its share) at a time, all the windows still alive
       cuts = prog.zero_cuts
       out += max(
         (w.nbytes for w in ws
          if any(len(zero_lib.pieces(s, s + w.length, cuts[w.row_key])) > 1 for s in w.starts)),
         default=0)
-      out += sum(w.nbytes // W for w in ws)
+      out += max(w.nbytes // W for w in ws)
     return out
 
   window = max((group_windows(ws) for ws in all_windows), default=0)
