@@ -55,6 +55,7 @@ def bench_mp(name: str = "bench_mp.json") -> str:
     ("vs FSDP", lambda r: _x(r.get("ratio_vs_fsdp"))),
     ("step error (mean)", lambda r: _pct(r.get("step_prediction_error_mean"))),
     ("2x1 step, ZeRO 1 over 0", lambda r: _x(r.get("zero1_step_ratio_2x1"))),
+    ("2x1 step, ZeRO 2 over 0", lambda r: _x(r.get("zero2_step_ratio_2x1"))),
     ("program", lambda r: r.get("program") or "earlier run"),
   ])
 
@@ -63,7 +64,7 @@ def bench_memory() -> str:
   """Per-device compiled memory against FSDP and one device, and the k-growth ratios."""
   s = _load("bench_memory.json")["summary"]
   keys = [k for k in sorted(s) if k.endswith("_over_fsdp") or k.endswith("_over_1x1")
-          or "k16_over_k4" in k]
+          or "k16_over_k4" in k or k.endswith("_zero2_over_zero0")]
   rows = ["| figure | value |", "|---|---|"]
   rows += [f"| `{k}` | {s[k]:.3f} |" for k in keys]
   if "prediction_error_max" in s:
@@ -123,7 +124,10 @@ def headline() -> str:
                      "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)"),
                     ("biglstm:paper_16x2_zero1_over_zero0",
                      "paper BigLSTM 16x2, memory with the optimizer state sharded over the data "
-                     "axis (`--zero=1`) over without")):
+                     "axis (`--zero=1`) over without"),
+                    ("biglstm:paper_16x2_zero2_over_zero0",
+                     "paper BigLSTM 16x2, memory with the optimizer state and gradients sharded "
+                     "over the data axis (`--zero=2`) over without")):
     if key in mem:
       rows.append(f"| {what} | {mem[key]:.2f} | {_source('bench_memory.json')} |")
   if "prediction_error_max" in mem:
