@@ -148,10 +148,10 @@ def test_sequence_models_match_reference_more(name, mesh_spec, k, planner, sched
   check(name, mesh_spec, k, planner, schedule=schedule)
 
 
-# Inception's task-scheduled program compiles slowly on CPU (40-200 s per case): one case (2x2,
-# 1F1B, the default schedule, with a data axis) in the default run, the others under the slow
-# marker; the graph is cut to 4 nodes. (ZB compiles F, B and W apart: 2x2 ZB took 82 s in the
-# suite, 2x2 1F1B 44 s alone after the model's first compile.)
+# Inception's task-scheduled program compiles slowly on CPU (45-200 s per case, the graph cut to
+# 4 nodes): every case under the slow marker. The default run covers convolutions in the program
+# with a small CNN (user_modules_test, 1F1B and ZB on 2x2, seconds each).
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "mesh_spec,k,planner,schedule",
   [("2x2", 2, "milp", "1f1b"), pytest.param("2x2", 2, "milp", "zb", marks=pytest.mark.slow),

@@ -122,16 +122,20 @@ def test_unwritable_workdir(tmp_path):
 
 
 def test_existing_run_needs_resume_and_same_config(tmp_path):
-  wd = str(tmp_path / "w")
-  runner.run(dataclasses.replace(TINY, workdir=wd, steps=2, projection=False))
+  # Under ZeRO stage 2: its checkpoint (optimizer state sharded over 'data') resumes too.
+  wd, cfg = str(tmp_path / "w"), dataclasses.replace(TINY, zero=2)
+  first = runner.run(dataclasses.replace(cfg, workdir=wd, steps=2, projection=False))
+  assert first["memory"]["zero"] == 2
   before = open(os.path.join(wd, "metrics.jsonl")).read()
   with pytest.raises(errors.UsageError, match="already holds a run: pass --resume"):
-    runner.run(dataclasses.replace(TINY, workdir=wd))
+    runner.run(dataclasses.replace(cfg, workdir=wd))
   with pytest.raises(errors.UsageError, match="has seed=0 but this command gives 1"):
-    runner.run(dataclasses.replace(TINY, workdir=wd, resume=True, seed=1))
+    runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, seed=1))
+  with pytest.raises(errors.UsageError, match="has zero=2 but this command gives 0"):
+    runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, zero=0))
   assert open(os.path.join(wd, "metrics.jsonl")).read() == before  # nothing lost
   # The same flags with --resume and more steps continue from the last checkpoint.
-  res = runner.run(dataclasses.replace(TINY, workdir=wd, resume=True, steps=3, projection=False))
+  res = runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, steps=3, projection=False))
   assert res["metrics"]["resumed_from"] == 2
   assert [json.loads(x)["step"] for x in open(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3]
 

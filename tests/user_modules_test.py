@@ -201,3 +201,37 @@ def test_an_output_the_pullback_keeps_is_read_not_saved_twice(schedule):
   np.testing.assert_allclose(losses, ref, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(hy.params(state)), jax.tree.leaves(params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _SmallCNN(nnx.Module):
+  """Two convolutions (one strided, SAME and VALID padding) on two devices, then a dense head:
+  the convolution path of the program (canonical layouts inside the conditional) at a size
+  that compiles in seconds, where Inception-V3's case takes a minute (slow marker)."""
+
+  def __init__(self, *, rngs):
+    self.c1 = nnx.Conv(3, 8, (3, 3), strides=(2, 2), padding="SAME", rngs=rngs)
+    self.c2 = nnx.Conv(8, 8, (3, 3), padding="VALID", rngs=rngs)
+    self.head = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.c2(jax.nn.relu(self.c1(x))))
+    return self.head(h.mean(axis=(1, 2)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_small_cnn_on_two_devices_matches_the_reference(schedule):
+  from program_test import assert_matches_reference, build
+
+  model = _SmallCNN(rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  batch = {"x": jnp.asarray(rng.normal(size=(8, 12, 12, 3)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}
+
+  def loss(m, b):
+    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+  opt = optax.adam(1e-2)
+  prog, p, s, pure = build(model, loss, batch, "2x2", lambda n: 0 if n.name.startswith("c1") else 1,
+                           2, opt, schedule=schedule)
+  assert len(set(prog.assignment)) == 2
+  assert_matches_reference(prog, p, s, pure, batch, opt)
