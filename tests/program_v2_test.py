@@ -275,7 +275,7 @@ def test_dry_run_reports_memory_without_allocating(tmp_path):
   from jaxhybrid.train import dry_run, runner
 
   config = runner.RunConfig(
-    model="gnmt", size="tiny", mesh="1x2", microbatches=2, planner="dp", dry_run=True,
+    model="biglstm", size="tiny", mesh="1x2", microbatches=2, planner="dp", dry_run=True,
     workdir=str(tmp_path / "dry"), hardware="dgx1-v100", schedule="zb",
   )
   results = dry_run.run(config)

@@ -93,6 +93,12 @@ def test_the_command_line_block_runs_as_written(tmp_path):
     assert proc.returncode == 0, f"{cmd}\n{proc.stderr[-2000:]}"
   steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "a" / "metrics.jsonl").open()]
   assert steps[-1] == 30 and len(steps) == len(set(steps)), steps[-5:]
+  # The main job's outputs, the projection's included.
+  results = json.loads((tmp_path / "runs" / "a" / "results.json").read_text())
+  for key in ("config", "plan", "metrics", "predicted_step_s", "measured_step_s", "projection"):
+    assert key in results
+  for png in ("gantt.png", "loss.png", "projection.png"):
+    assert (tmp_path / "runs" / "a" / png).stat().st_size > 0
   # The fit check planned the paper's GNMT for four model devices and compiled it per device
   # (tests/paper_plan_test.py also checks, in one process, that nothing of its size is allocated).
   (dry,) = (tmp_path / "runs").glob("gnmt-paper-1x4-*/results.json")

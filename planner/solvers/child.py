@@ -16,7 +16,8 @@ returns its `fallback`: a result with no solution and the trivial bound, which e
 already handles (the heuristics' plan is kept). A warning names what happened.
 
 `JAXHYBRID_SOLVE_INLINE=1` in the environment runs solves in the calling process (for debugging
-with pdb or a profiler).
+with pdb or a profiler); so does a platform without `select` on pipes (Windows). A process forked
+after a solve starts its own worker rather than share its parent's pipes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ _BOOT = ("import sys, pickle; sys.path[:] = pickle.load(sys.stdin.buffer); "
 _in_worker = False
 _lock = threading.Lock()
 _worker: subprocess.Popen | None = None
+_worker_owner = 0  # the pid that started _worker
 
 
 class WorkerDied(RuntimeError):
@@ -124,16 +126,17 @@ def _stop(proc: subprocess.Popen | None, kill: bool = False) -> None:
 @atexit.register
 def _close() -> None:
   global _worker
-  _stop(_worker)
+  if _worker_owner == os.getpid():
+    _stop(_worker)
   _worker = None
 
 
 def _ask(module: str, name: str, args: tuple, kwargs: dict, timeout_s: float) -> Any:
   """One request to the worker (started if needed); raises WorkerDied when it ends or times out
   (it is then discarded)."""
-  global _worker
-  if _worker is None or _worker.poll() is not None:
-    _worker = _start()
+  global _worker, _worker_owner
+  if _worker is None or _worker_owner != os.getpid() or _worker.poll() is not None:
+    _worker, _worker_owner = _start(), os.getpid()
   proc = _worker
   try:
     pickle.dump((module, name, args, kwargs), proc.stdin)
@@ -164,7 +167,7 @@ def isolated(fallback: Callable[..., Any]) -> Callable[[Callable], Callable]:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      if _in_worker or os.environ.get(INLINE_ENV) == "1":
+      if _in_worker or os.environ.get(INLINE_ENV) == "1" or os.name == "nt":
         return fn(*args, **kwargs)
       bound = signature.bind(*args, **kwargs)
       bound.apply_defaults()
