@@ -63,7 +63,7 @@ def test_data_is_a_function_of_seed_and_step():
 @pytest.mark.parametrize("model", ["gnmt", pytest.param("inception_v3", marks=pytest.mark.slow)])
 def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   overrides = (("image_size", 75),) if model == "inception_v3" else ()
-  # The projection (planning the paper-size model) is the SIGKILL test's to run.
+  # The projection (planning the paper-size model) is the README CLI test's to run.
   cfg = dataclasses.replace(TINY, model=model, mesh="1x2", batch=2, steps=2, planner="milp",
                             workdir=str(tmp_path / "w"), overrides=overrides, projection=False)
   res = runner.run(cfg)
