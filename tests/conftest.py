@@ -132,3 +132,28 @@ def experiment_module(name: str):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
+
+
+# The suite's longest tests (30-100 s each on 2 cores, most of them run.py subprocesses), started
+# first: pytest-xdist hands tests out in collection order, and one of these started last kept the
+# other worker idle for its length at the end of the run.
+LONG_TESTS = (
+  "readme_test.py::test_the_command_line_block_runs_as_written",
+  "multihost_test.py::test_two_processes_match_one_process",
+  "run_test.py::test_sigkill_then_resume_reproduces_uninterrupted_losses",
+  "program_models_test.py::test_sequence_models_match_reference[gnmt-2x2-2-milp-zb]",
+  "sweep_test.py::test_sweep_rows_plot_and_skip",
+  "readme_test.py::test_quick_start_runs_as_written",
+  "run_test.py::test_other_models_run_end_to_end[gnmt]",
+  "planner_lockstep_cpsat_test.py::test_place_returns_explicit_groups_that_beat_every_order",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONG_TESTS)}
+
+  def key(item):
+    name = item.nodeid.split("/")[-1]
+    return rank.get(name, len(LONG_TESTS))
+
+  items.sort(key=key)  # stable: every other test keeps its order
