@@ -84,3 +84,17 @@ def test_a_hung_solve_is_killed(monkeypatch):
 def test_an_error_in_the_solve_is_raised_here():
   with pytest.raises(ValueError, match="bad input, said the solver"):
     _raise()
+
+
+@child.isolated(_fallback)
+def _pid(time_limit_s: float = 1.0):
+  return os.getpid()
+
+
+def test_without_a_worker_the_solve_runs_here(monkeypatch, tmp_path, caplog):
+  assert _pid() != os.getpid()  # normally in the worker
+  monkeypatch.setattr(child, "_worker", None)
+  monkeypatch.setattr(child.sys, "executable", str(tmp_path / "no-such-python"))
+  with caplog.at_level(logging.WARNING, logger=child.__name__):
+    assert _pid() == os.getpid()
+  assert "cannot start a solver process" in caplog.text

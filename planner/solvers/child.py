@@ -60,6 +60,10 @@ class WorkerDied(RuntimeError):
   """The worker process ended (or was killed) before it answered."""
 
 
+class NoWorker(RuntimeError):
+  """No worker process could be started (the solve then runs in the caller)."""
+
+
 def serve() -> None:
   """The worker's loop: reads (module, name, args, kwargs), answers ('ok', value) or
   ('error', exception) until its input closes. Native output (CBC's) goes to stderr so that
@@ -136,7 +140,11 @@ def _ask(module: str, name: str, args: tuple, kwargs: dict, timeout_s: float) ->
   (it is then discarded)."""
   global _worker, _worker_owner
   if _worker is None or _worker_owner != os.getpid() or _worker.poll() is not None:
-    _worker, _worker_owner = _start(), os.getpid()
+    try:
+      _worker, _worker_owner = _start(), os.getpid()
+    except (OSError, ValueError) as err:
+      _worker = None
+      raise NoWorker(f"cannot start a solver process ({err})") from err
   proc = _worker
   try:
     pickle.dump((module, name, args, kwargs), proc.stdin)
@@ -177,6 +185,9 @@ def isolated(fallback: Callable[..., Any]) -> Callable[[Callable], Callable]:
         try:
           with _lock:
             return _ask(fn.__module__, fn.__name__, args, kwargs, timeout_s)
+        except NoWorker as err:
+          log.warning("%s; solving in this process", err)
+          return fn(*args, **kwargs)
         except WorkerDied as err:
           last = err
           log.warning("%s.%s: %s%s", fn.__module__, fn.__name__, err,
