@@ -195,8 +195,14 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
       p_mine[r] = p["owned"][r][:, :n // W]
       pos[dt] = at + n // W
     sq = gradients.sum_of_squares(g_mine) + gradients.sum_of_squares(g["shared"])
+    p, o = update_shares(p, o, {"owned": g_mine, "shared": g["shared"]}, p_mine)
+    return p, o, sq
+
+  def update_shares(p, o, g, p_mine):
+    # The update on each row's share, then the shares side by side repeated W times (the
+    # all-gather's output) and cut back into rows.
     mine = {"owned": p_mine, "shared": p["shared"]}
-    u, o = optimizer.update({"owned": g_mine, "shared": g["shared"]}, o, mine)
+    u, o = optimizer.update(g, o, mine)
     mine = optax.apply_updates(mine, u)
     owned = {}
     for keys in rows_by_dtype(layout.sizes).values():
@@ -206,7 +212,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
         n = mine["owned"][r].shape[1]
         owned[r] = full[:, at:at + n].reshape(1, W * n)
         at += n
-    return {"owned": owned, "shared": mine["shared"]}, o, sq
+    return {"owned": owned, "shared": mine["shared"]}, o
 
   def tail(p, o, g, w, start):
     # The gradient rows as the step makes them (executor.run_groups): one flat buffer per dtype
@@ -248,19 +254,8 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
         g_mine[r] = mine[at:at + n][None]
         p_mine[r] = p["owned"][r][:, :n]
         at += n
-    g = {"owned": g_mine, "shared": g["shared"]}
-    mine = {"owned": p_mine, "shared": p["shared"]}
-    u, o = optimizer.update(g, o, mine)
-    mine = optax.apply_updates(mine, u)
-    owned = {}
-    for keys in by_dtype.values():
-      full = jnp.tile(jnp.concatenate([mine["owned"][r][0] for r in keys])[None], (W, 1))
-      at = 0
-      for r in keys:
-        n = mine["owned"][r].shape[1]
-        owned[r] = full[:, at:at + n].reshape(1, W * n)
-        at += n
-    return {"owned": owned, "shared": mine["shared"]}, o, sq
+    p, o = update_shares(p, o, {"owned": g_mine, "shared": g["shared"]}, p_mine)
+    return p, o, sq
 
   start = jax.ShapeDtypeStruct((), np.int32)
   fn = tail2 if stage == 2 else tail
