@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid import noise_scale as noise_lib
-from jaxhybrid.mesh import DATA, MODEL, owned_rows_over
+from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
 from jaxhybrid.program import tasks as tasks_lib
@@ -49,7 +49,6 @@ from jaxhybrid.program.structure import (
   ParamLayout,
   TrainState,
   param_layout,
-  rows_by_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -88,61 +87,6 @@ def _host(x: jax.Array) -> np.ndarray:
 
 # ZeRO stages the program runs (see HybridProgram.zero).
 ZERO_STAGES = (0, 1, 2)
-
-
-def _zero_tail(prog: HybridProgram, params, opt_state, g_owned, g_shared, loss, sq_worker, W):
-  """The step's tail under ZeRO, inside shard_map: each data replica takes its share of the
-  gradient rows (averaged over 'data'), updates its share of the parameters with its share of the
-  optimizer state, and all-gathers the updated shares into whole rows (`jaxhybrid.program.zero`
-  says which elements are a replica's share).
-
-  Stage 1: `g_owned` are the whole flat gradient buffers; one reduce-scatter per dtype, not per
-  row: the rows of the dtype, each viewed as [W, n/W], are laid side by side as one [W, S]
-  buffer and scattered over its first axis. (Per row, the collectives cost their latency each;
-  over gloo on 2 CPU processes that made GNMT-small's 2x1 step 24 % slower than the all-reduce
-  of the flat buffer.) Stage 2: `g_owned` are already this replica's shares, summed over the
-  replicas as the groups made them (executor.run_groups). One all-gather per dtype either way.
-  """
-  cuts = prog.zero_cuts
-  r = lax.axis_index(DATA)
-  by_dtype = rows_by_dtype(prog.layout.sizes)
-  g_mine, p_mine = {}, {}
-  if prog.zero == 1:
-    g_owned = lax.optimization_barrier(g_owned)  # as in the replicated tail (see there)
-    g_rows = gradients.cut_rows(prog.layout, g_owned)
-  for dt, keys in by_dtype.items():
-    if prog.zero == 1:
-      parts = [zero_lib.to_chunks(g_rows[k], 0, cuts[k], W) for k in keys]
-      stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-      mine = lax.psum_scatter(stacked, DATA, scatter_dimension=0, tiled=False) if W > 1 else stacked[0]
-    else:
-      mine = g_owned[dt]
-    mine = mine / W  # the replicas' sum -> their mean, as pmean
-    at = 0
-    for k in keys:
-      n = dict(prog.layout.sizes)[k] // W
-      g_mine[k] = (lax.slice_in_dim(mine, at, at + n) if len(keys) > 1 else mine)[None]
-      p_mine[k] = zero_lib.share(params["owned"][k][0], cuts[k], r, W)[None]
-      at += n
-  # |g|^2 at the global batch: the slices over both axes, plus the (replicated) shared leaves.
-  sq_global = lax.psum(_sq(g_mine), (MODEL, DATA)) + _sq(g_shared)
-  grads = {"owned": g_mine, "shared": g_shared}
-  mine = {"owned": p_mine, "shared": params["shared"]}
-  with owned_rows_over((MODEL, DATA)):  # global norms see every slice
-    updates, opt_state = prog.optimizer.update(grads, opt_state, mine)
-  mine = optax.apply_updates(mine, updates)
-  owned = {}
-  for keys in by_dtype.values():
-    slices = [mine["owned"][k][0] for k in keys]
-    flat = jnp.concatenate(slices) if len(slices) > 1 else slices[0]
-    full = lax.all_gather(flat, DATA, axis=0, tiled=False) if W > 1 else flat[None]  # [W, S]
-    at = 0
-    for k, x in zip(keys, slices):
-      n = x.shape[0]
-      part = full[:, at:at + n] if len(keys) > 1 else full
-      owned[k] = zero_lib.from_chunks(part, cuts[k], W)[None]
-      at += n
-  return {"owned": owned, "shared": mine["shared"]}, opt_state, loss, (sq_worker, sq_global)
 
 
 # ---- the program ------------------------------------------------------------------------------
@@ -408,7 +352,7 @@ class HybridProgram:
         g_shared = [lax.pmean(x, DATA) for x in g_shared]
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       if self.zero:
-        return _zero_tail(self, params, opt_state, g_owned, g_shared, loss, sq_worker, W)
+        return zero_lib.tail(self, params, opt_state, g_owned, g_shared, loss, sq_worker, W)
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
       # from it only now, for the optimizer alone. The barrier keeps XLA from fusing the last

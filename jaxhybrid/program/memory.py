@@ -173,7 +173,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   stage = (1 if W > 1 else 0) if zero is None else int(zero)
 
   def tail2(p, o, g, w, start):
-    # As hybrid._zero_tail at stage 2: the replica's share of each row, from its accumulator.
+    # As zero.tail at stage 2: the replica's share of each row, from its accumulator.
     flat, base = {}, {}
     for r, n in layout.sizes:
       dt = row_dtype(r)
@@ -240,7 +240,7 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
       g = {"owned": {r: x[None] for r, x in rows.items()}, "shared": g["shared"]}
       u, o = optimizer.update(g, o, p)
       return optax.apply_updates(p, u), o, sq
-    # As hybrid._zero_tail: per dtype the rows side by side as one [W, S] buffer, its sum over
+    # As zero.tail: per dtype the rows side by side as one [W, S] buffer, its sum over
     # the W parts (the reduce-scatter's output), the update on the slices, the slices side by
     # side repeated W times (the all-gather's output) and cut back into rows.
     by_dtype = rows_by_dtype(layout.sizes)

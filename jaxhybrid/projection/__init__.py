@@ -1,8 +1,9 @@
 """Step 6 of the flow: data-parallel versus hybrid time-to-accuracy at scale.
 
-Owns the analytical framework (`framework`: step time, all-reduce over the topology, S_DP vs
-S_hyb, crossover, best (data, model)), statistical efficiency curves (`stat_eff`), the
-steps-to-target measurement that feeds them (`steps_to_target`), the paper's scenario
+Owns the analytical framework (`framework`: step time, S_DP vs S_hyb, crossover, best (data,
+model); its gradient exchange over the topology in `comm`), statistical efficiency curves
+(`stat_eff`), the steps-to-target measurement that feeds them (`steps_to_target`), the paper's
+scenario
 (`paper_scenario`), reports (`report`: table, plot, S_MP read from planner outputs), S_MP with
 its provenance (`s_mp`) and the noise scale a run measured (`measured_noise`).
 
