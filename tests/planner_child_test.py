@@ -47,7 +47,7 @@ def test_a_solve_runs_in_the_child_and_matches_inline(monkeypatch):
   prob = Problem.build([1.0, 3.0, 2.0, 2.0, 1.0], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)],
                        devices=2, edge_bytes=[0, 0, 0, 0, 0])
   warm = heuristics.single(prob, 2, None)
-  kw = dict(warm=warm, time_limit_s=30.0, max_nodes=200, gap=0.0)
+  kw = dict(warm=warm, time_limit_s=600.0, max_nodes=200, gap=0.0)  # the node limit stops it
   got = milp.solve(prob, 2, **kw)
   assert child._worker is not None and child._worker.pid != os.getpid()
   monkeypatch.setenv(child.INLINE_ENV, "1")
@@ -73,12 +73,12 @@ def test_a_crash_twice_gives_the_fallback(caplog):
   assert "native solver says goodbye" in caplog.text  # its stderr, kept for debugging
 
 
-def test_a_hung_solve_is_killed(monkeypatch):
+def test_a_hung_solve_is_killed(monkeypatch, caplog):
   monkeypatch.setattr(child, "TIMEOUT_SLACK_S", 0.5)
   monkeypatch.setattr(child, "CRASH_RETRIES", 0)
-  t0 = time.monotonic()
-  assert _hang() == "fallback"
-  assert time.monotonic() - t0 < 30
+  with caplog.at_level(logging.WARNING, logger=child.__name__):
+    assert _hang() == "fallback"
+  assert "no answer within" in caplog.text and "(killed)" in caplog.text
 
 
 def test_an_error_in_the_solve_is_raised_here():

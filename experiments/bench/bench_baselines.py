@@ -143,6 +143,30 @@ def fsdp_step_s(pure, opt, params_state, batch, mesh, steps, warmup):
   return timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
 
 
+def hybrid_zero_steps_s(model, loss_fn, opt, batch, mesh, stages, rounds, steps, warmup):
+  """Median step seconds of the hybrid program with the one-device plan on `mesh` at each ZeRO
+  stage in `stages`, timed in rotating rounds in the same processes (a stage's order in the round
+  moves by one each round)."""
+  import numpy as np
+
+  from jaxhybrid import api
+
+  runs = []
+  for z in stages:
+    hy = api.parallelize(model, loss_fn, opt, batch, mesh=mesh, microbatches=1,
+                         planner="single", program_options={"zero": z})
+    runs.append([lambda st, bt, h=hy: h.program.step_fn()(st, bt), hy.init(),
+                 hy.program.shard_batch(batch)])
+  times: list[list] = [[] for _ in stages]
+  n = len(stages)
+  for r in range(max(1, rounds)):
+    for i in list(range(n))[r % n:] + list(range(n))[:r % n]:
+      fn, state, bt = runs[i]
+      t, runs[i][1], _ = step_times(fn, state, bt, steps, warmup)
+      times[i].append(t)
+  return {z: float(np.median(np.concatenate(t))) for z, t in zip(stages, times)}
+
+
 def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
   """Median steps of data parallelism over 'data' (the batch's leading dimension split):
   plain jit, where XLA all-reduces each gradient leaf, and `bucketed_dp_step` (one flat

@@ -346,25 +346,12 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   # figures: zero1_step_ratio_2x1, zero2_step_ratio_2x1).
   batch2 = spec.synthetic_batch(0, 2 * b)
   m21 = mesh_lib.make("2x1")
-  dp_runs = []
-  stages = (0, 1, 2)
-  for z in stages:
-    hy21 = api.parallelize(model, spec.loss_fn, opt, batch2, mesh=m21, microbatches=1,
-                           planner="single", program_options={"zero": z})
-    dp_runs.append([lambda st, bt, h=hy21: h.program.step_fn()(st, bt), hy21.init(),
-                    hy21.program.shard_batch(batch2)])
-  dp_times: list[list[float]] = [[] for _ in stages]
-  for r in range(max(1, FLAGS.rounds)):
-    for z in stages[r % len(stages):] + stages[:r % len(stages)]:
-      fn, state, bt = dp_runs[z]
-      t, dp_runs[z][1], _ = bench_baselines.step_times(fn, state, bt, FLAGS.steps, FLAGS.warmup)
-      dp_times[z].append(t)
-  del dp_runs
-  out["step_s_hybrid_2x1"] = float(np.median(np.concatenate(dp_times[0])))
-  out["step_s_hybrid_2x1_zero1"] = float(np.median(np.concatenate(dp_times[1])))
-  out["zero1_step_ratio_2x1"] = out["step_s_hybrid_2x1_zero1"] / out["step_s_hybrid_2x1"]
-  out["step_s_hybrid_2x1_zero2"] = float(np.median(np.concatenate(dp_times[2])))
-  out["zero2_step_ratio_2x1"] = out["step_s_hybrid_2x1_zero2"] / out["step_s_hybrid_2x1"]
+  zero_s = bench_baselines.hybrid_zero_steps_s(model, spec.loss_fn, opt, batch2, m21, (0, 1, 2),
+                                               FLAGS.rounds, FLAGS.steps, FLAGS.warmup)
+  out["step_s_hybrid_2x1"] = zero_s[0]
+  for z in (1, 2):
+    out[f"step_s_hybrid_2x1_zero{z}"] = zero_s[z]
+    out[f"zero{z}_step_ratio_2x1"] = zero_s[z] / zero_s[0]
   out["step_s_jit_dp"], out["step_s_dp_bucketed"] = bench_baselines.dp_steps_s(
     pure, opt, (p, s), batch2, m21, FLAGS.steps, FLAGS.warmup
   )

@@ -3,9 +3,8 @@
 Owns the analytical framework (`framework`: step time, S_DP vs S_hyb, crossover, best (data,
 model); its gradient exchange over the topology in `comm`), statistical efficiency curves
 (`stat_eff`), the steps-to-target measurement that feeds them (`steps_to_target`), the paper's
-scenario
-(`paper_scenario`), reports (`report`: table, plot, S_MP read from planner outputs), S_MP with
-its provenance (`s_mp`) and the noise scale a run measured (`measured_noise`).
+scenario (`paper_scenario`), reports (`report`: table, plot, S_MP read from planner outputs),
+S_MP with its provenance (`s_mp`) and the noise scale a run measured (`measured_noise`).
 
 May import: `jaxhybrid.costs` (hardware, links), `jaxhybrid.noise_scale`, `jaxhybrid.models`
 (steps_to_target only); never the program or training.
