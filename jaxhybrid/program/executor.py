@@ -130,12 +130,17 @@ def run_groups(
   consts: dict[Any, Any],
   zero_cuts: dict[str, tuple[int, ...]] | None = None,
   data: int = 1,
-) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
-  """Runs every group; returns (this device's loss share, flat gradients, shared gradients).
+  single_windows: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array]]:
+  """Runs every group; returns (this device's loss share, flat gradients, whole-window rows,
+  shared gradients).
 
   The loss share is the mean over micro-batches on the loss node's device and 0 elsewhere; the
   flat gradients are one buffer per dtype holding this device's own gradient rows side by side
-  (other devices' leaves never appear; `gradients.cut_rows` gives the rows).
+  (other devices' leaves never appear; `gradients.cut_rows` gives the rows). With
+  `single_windows`, a row whose whole gradient is one window of the step
+  (`gradients.single_window_rows`) is returned as that window (row key -> array) and has no
+  place in the flat buffers.
 
   With `zero_cuts` (ZeRO stage 2 over `data` replicas; `jaxhybrid.program.zero`), every window
   is reduce-scattered over 'data' as it leaves its group and the flat buffers hold only this
@@ -153,9 +158,14 @@ def run_groups(
   # into it (dynamic-update-slices, in place); they are cut apart at the end. (Separate buffers
   # per slot row let XLA fuse a row's additions over all groups into the optimizer's pass at the
   # end, which keeps every group's window alive until then.)
+  all_windows = gradients.gradient_windows(st, g, layout)
+  single = gradients.single_window_rows(all_windows, layout) if single_windows else {}
+  whole: dict[str, jax.Array] = {}
   base: dict[str, int] = {}
   flat_len: dict[str, int] = {}
   for r, n in layout.sizes:
+    if r in single:
+      continue
     dt = structure_lib.row_dtype(r)
     base[r] = flat_len.get(dt, 0)
     flat_len[dt] = base[r] + n
@@ -323,7 +333,6 @@ def run_groups(
 
     return branch
 
-  all_windows = gradients.gradient_windows(st, g, layout)
   dep = None  # an element of each gradient buffer the last group's windows were added into
   tokens = None  # the sum of the conditionals' 0 * dep (see _token)
   for gi, lay in enumerate(st.groups):
@@ -343,6 +352,9 @@ def run_groups(
       # Add the window into this device's own row outside the conditional, in place: a whole
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):
+        if w.row_key in single:
+          whole[w.row_key] = win
+          continue
         at = [base[w.row_key] + a for a in w.starts]
         length = w.length
         if zero_cuts is not None:  # this replica's share of the window, summed over replicas
@@ -385,4 +397,4 @@ def run_groups(
     loss = loss + tokens.astype(loss.dtype)
   if M > 1:
     loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
-  return loss, grads, gshared
+  return loss, grads, whole, gshared

@@ -129,6 +129,28 @@ def gradient_windows(
   return out
 
 
+def single_window_rows(
+  windows: list[list[Window] | None], layout: ParamLayout
+) -> dict[str, Window]:
+  """Rows whose whole gradient is ONE window of the step: row key -> that window.
+
+  A row qualifies when exactly one window of all groups writes it and that window covers the
+  row on every device (length = the row's length, starts 0): with one micro-batch, a slot row
+  whose leaf's gradient task runs once. Its gradient is then the window itself, with no
+  accumulator: no zero-filled row, no addition, and the optimizer can update the row as soon
+  as the window exists (as plain `jax.jit` does per leaf) instead of after every group.
+  """
+  seen: dict[str, list[Window]] = {}
+  for ws in windows:
+    for w in ws or ():
+      seen.setdefault(w.row_key, []).append(w)
+  sizes = dict(layout.sizes)
+  return {
+    r: ws[0] for r, ws in seen.items()
+    if len(ws) == 1 and ws[0].length == sizes[r] and not any(ws[0].starts)
+  }
+
+
 def sum_of_squares(tree: Any) -> jax.Array:
   """Sum of squares of every leaf of `tree`, in float32."""
   total = jnp.zeros((), jnp.float32)
@@ -137,12 +159,18 @@ def sum_of_squares(tree: Any) -> jax.Array:
   return total
 
 
-def cut_rows(layout: ParamLayout, flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def cut_rows(
+  layout: ParamLayout, flat: dict[str, jax.Array], whole: dict[str, jax.Array] | None = None
+) -> dict[str, jax.Array]:
   """The gradient rows (`layout.sizes` keys) cut from `run_groups`' flat buffers per dtype (the
-  rows of a dtype lie side by side in `layout.sizes` order). Cut last, just before the
-  optimizer: slices with one elementwise reader are fused into it, not copied."""
-  out, pos = {}, {}
+  rows of a dtype lie side by side in `layout.sizes` order, except the rows in `whole`, which
+  are given as they are). Cut last, just before the optimizer: slices with one elementwise
+  reader are fused into it, not copied."""
+  whole = whole or {}
+  out, pos = dict(whole), {}
   for r, n in layout.sizes:
+    if r in whole:
+      continue
     dt = structure_lib.row_dtype(r)
     at = pos.get(dt, 0)
     out[r] = flat[dt] if (at == 0 and n == flat[dt].shape[0]) else lax.slice(flat[dt], (at,), (at + n,))

@@ -307,8 +307,9 @@ class HybridProgram:
   def _local_loss_and_grads(
     self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any],
     batch: Sequence[Any],
-  ) -> tuple[jax.Array, dict[str, jax.Array], list[jax.Array]]:
-    """Runs the task schedule on one device: (loss share, own flat gradients, shared grads)."""
+  ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array]]:
+    """Runs the task schedule on one device: (loss share, own flat gradients, own rows given
+    whole by one window, shared grads); see `executor.run_groups`."""
     k = self.microbatches
     mbatches = []
     for j, x in enumerate(batch):
@@ -321,7 +322,8 @@ class HybridProgram:
     inputs = executor.Inputs(rows=owned, shared=list(shared), state=state, microbatches=mbatches)
     return executor.run_groups(
       self.structure, self.calls, self.layout, inputs, consts,
-      zero_cuts=self.zero_cuts if self.zero == 2 else None, data=self.mesh.shape[DATA])
+      zero_cuts=self.zero_cuts if self.zero == 2 else None, data=self.mesh.shape[DATA],
+      single_windows=not self.zero)
 
   @property
   def per_worker_batch(self) -> int:
@@ -338,9 +340,10 @@ class HybridProgram:
 
     def body(params, opt_state, state, batch):
       owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
-      loss, g_owned, g_shared = self._local_loss_and_grads(
+      loss, g_flat, g_whole, g_shared = self._local_loss_and_grads(
         owned, list(params["shared"]), list(state), list(batch)
       )
+      g_owned = {"flat": g_flat, "whole": g_whole}
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input); under
       # stage 2 no replica holds its worker's whole gradient: not reported.
@@ -352,14 +355,15 @@ class HybridProgram:
         g_shared = [lax.pmean(x, DATA) for x in g_shared]
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       if self.zero:
-        return zero_lib.tail(self, params, opt_state, g_owned, g_shared, loss, sq_worker, W)
+        return zero_lib.tail(self, params, opt_state, g_owned["flat"], g_shared, loss, sq_worker, W)
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
       # from it only now, for the optimizer alone. The barrier keeps XLA from fusing the last
       # window's addition into the optimizer's and the sums' passes: fused, the CPU backend
       # made that addition again in two row-sized buffers (Adam: a row-sized square and a copy).
-      g_owned = lax.optimization_barrier(g_owned)
-      g_rows = gradients.cut_rows(self.layout, g_owned)
+      # Rows given whole by one window take no barrier: each is updated as soon as it exists.
+      g_rows = gradients.cut_rows(
+        self.layout, lax.optimization_barrier(g_owned["flat"]), g_owned["whole"])
       grads = {"owned": jax.tree.map(lambda x: x[None], g_rows), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)

@@ -4,7 +4,9 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
 
 - parameters: the device's row per dtype (padded to the longest device's share) + shared leaves;
 - optimizer state: `optimizer.init` of those parameters (e.g. Adam: 2x, AdaGrad: 1x);
-- gradients: a gradient row + shared leaves, accumulated over the micro-batches;
+- gradients: a gradient row + shared leaves, accumulated over the micro-batches, less the rows
+  whose whole gradient is one window of the step (`gradients.single_window_rows`: the window is
+  the row's gradient, counted with the windows);
 - live buffers: the peak over the step of the task groups' output buffers and messages
   (activations, cotangents, residuals; `program.tasks.live_bytes`), which the schedule decides;
 - group peak: the largest, over groups, of those buffers plus the values the group's branch
@@ -331,8 +333,16 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   zero = getattr(prog, "zero", 0)
   W = prog.mesh.shape[DATA]
 
+  # Rows given whole by one window (no zero accumulator; executor.run_groups): outside ZeRO.
+  single = {} if zero else gradients.single_window_rows(all_windows, lay)
+  single_bytes = sum(w.nbytes for w in single.values())
+
   def group_windows(ws) -> int:
-    out = sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws)
+    # Every window of the group counted alive at once. On one model device (no conditional)
+    # XLA may update a row given whole as soon as its window is made and hold fewer (a uniform
+    # chain: 15 MB compiled against 34 MB of windows); BigLSTM and GNMT hold them all.
+    out = sum(w.nbytes for w in ws)
+    out += max(w.copies(lay) for w in ws)
     if zero == 2:  # + a window cut into several segments is copied into its [W, L/W] form,
       # + one reduce-scatter's output (its share) at a time, all the windows still alive
       cuts = prog.zero_cuts
@@ -365,7 +375,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device,
-    gradients=params if zero != 2 else row_bytes // W + shared,
+    gradients=params - single_bytes if zero != 2 else row_bytes // W + shared,
     live_peak=max(live, default=0), window=window,
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
     update_temp=update_temp_bytes(
