@@ -189,14 +189,16 @@ def test_a_table_no_device_can_hold_is_sharded_and_trains_exactly():
   assert hy2.program.assignment == hy.program.assignment
   _, p, s, pure = graph_lib.nnx_pure_loss(model, table_loss)
   assert_matches_reference(hy2.program, p, s, pure, batch, opt)
-  # The same plan with two data replicas under ZeRO stage 2: the table's pieces, their
-  # optimizer state and gradients all split over 'data' too, and still exact.
+  # The same plan with two data replicas under ZeRO: the table's pieces and their optimizer
+  # state (stage 1), and their gradients too (stage 2), split over 'data', and still exact.
   # (A global batch twice as large: the same micro-batch per data replica, the plan's graph.)
   batch2 = _table_batch(16, seed=1)
-  hy3 = api.parallelize(model, table_loss, opt, batch2, mesh="2x2", plan=again,
-                        program_options={"zero": 2})
-  assert hy3.program.layout.shapes == hy2.program.layout.shapes
-  assert_matches_reference(hy3.program, p, s, pure, batch2, opt)
+  for stage in (1, 2):
+    hy3 = api.parallelize(model, table_loss, opt, batch2, mesh="2x2", plan=again,
+                          program_options={"zero": stage})
+    assert hy3.program.zero == stage
+    assert hy3.program.layout.shapes == hy2.program.layout.shapes
+    assert_matches_reference(hy3.program, p, s, pure, batch2, opt)
   # A version-2 plan (no `shards`) loads with every leaf whole.
   old = hy.plan.to_dict()
   old["schema_version"] = 2
