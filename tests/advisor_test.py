@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
 
 import pytest
 
@@ -162,7 +163,7 @@ def test_model_overrides_reach_the_traced_model_and_the_estimate_source():
   assert back.model_overrides == chunked.model_overrides
 
 
-def test_run_projection_passes_only_structural_overrides(monkeypatch):
+def test_run_projection_passes_only_structural_overrides(monkeypatch, tmp_path):
   from jaxhybrid.train import predict, runner
 
   seen = {}
@@ -175,8 +176,39 @@ def test_run_projection_passes_only_structural_overrides(monkeypatch):
     raise Stop
 
   monkeypatch.setattr(advisor, "advise_model", fake_advise_model)
+  monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))  # no S_MP cached by another test
   config = runner.RunConfig(model="biglstm", overrides=(("time_chunks", 4), ("hidden_size", 8)))
   with pytest.raises(Stop):
     predict.project(config, None, 2)
   assert seen["name"] == "biglstm"
   assert seen["model_overrides"] == {"time_chunks": 4}
+
+
+def test_run_projection_reuses_a_cached_s_mp_of_the_same_configuration_and_code(
+    monkeypatch, tmp_path):
+  from jaxhybrid.projection import s_mp
+  from jaxhybrid.train import predict, runner
+
+  calls = []
+
+  def fake_advise_model(name, **kw):
+    calls.append(kw["config"].seed)
+    est = s_mp.SMPEstimate(m=2, s_mp=1.5 + len(calls), source="planner: fake", microbatches=4)
+    return types.SimpleNamespace(s_mp=[est])
+
+  monkeypatch.setattr(advisor, "advise_model", fake_advise_model)
+  monkeypatch.setenv(hardware.CACHE_ENV, str(tmp_path))
+  config = runner.RunConfig(model="biglstm", mesh="2x2")
+  _, first = predict.project(config, None, 2)
+  _, again = predict.project(config, None, 2)
+  assert calls == [0] and again == first  # read back, not planned again
+  _, other = predict.project(dataclasses.replace(config, seed=1), None, 2)
+  assert calls == [0, 1] and other.s_mp != first.s_mp  # another search: planned
+  monkeypatch.setattr(predict, "_code_digest", lambda: "other code")
+  predict.project(config, None, 2)
+  assert calls == [0, 1, 0]  # other code: planned again
+  # A damaged cache file is planned over, not an error.
+  for f in (tmp_path / "s_mp").glob("*.json"):
+    f.write_text("{not json")
+  predict.project(config, None, 2)
+  assert len(calls) == 4

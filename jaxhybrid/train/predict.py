@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
 import math
+import os
+import pathlib
 from typing import Any
 
 import numpy as np
 
 from jaxhybrid import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
 
 # Model config fields a run's `--set` passes on to the paper-size projection: they change how the
 # model is cut into graph nodes (BigLSTM's and GNMT's `time_chunks`), not its size or its math.
@@ -49,12 +58,61 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
                             else f"{prog.microbatches} reduce-scatters + all-gather")}
 
 
+def _code_digest() -> str:
+  """A digest of the installed jaxhybrid sources (planner, cost model and models included): a
+  cached S_MP is reused only by the code that computed it."""
+  import jaxhybrid
+
+  h = hashlib.sha256()
+  root = pathlib.Path(jaxhybrid.__file__).parent
+  dirs = [root] + [pathlib.Path(importlib.import_module(f"jaxhybrid.{sub}").__file__).parent
+                   for sub in ("planner", "models")]
+  for d in dirs:
+    for f in sorted(d.rglob("*.py")):
+      h.update(str(f.relative_to(d)).encode())
+      h.update(f.read_bytes())
+  return h.hexdigest()[:16]
+
+
+def _s_mp_cached(key: dict[str, Any], compute: Any) -> Any:
+  """S_MP from the cache under the measured-costs cache root (`$JAXHYBRID_PROFILE_CACHE`, default
+  ~/.cache/jaxhybrid/profiles), folder `s_mp/`, keyed by `key` and the code's digest; else
+  `compute()`, stored there. Planning the paper model takes seconds to minutes per run (14 s for
+  BigLSTM on 2 cores); a rerun or a resumed run of the same configuration reads it back and
+  reports the same projection. An unreadable or unwritable cache is skipped, never an error."""
+  from jaxhybrid.costs import hardware
+  from jaxhybrid.projection import s_mp
+
+  full = {**key, "code": _code_digest()}
+  name = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+  path = pathlib.Path(os.environ.get(hardware.CACHE_ENV, hardware.DEFAULT_CACHE_DIR)).expanduser()
+  path = path / "s_mp" / f"{name}.json"
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    if data.get("key") == json.loads(json.dumps(full, sort_keys=True, default=str)):
+      return s_mp.SMPEstimate(**data["estimate"])
+  except (OSError, ValueError, TypeError, KeyError):
+    pass
+  est = compute()
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+      json.dump({"key": full, "estimate": est.to_json()}, f, sort_keys=True, default=str)
+    os.replace(tmp, path)
+  except OSError as e:
+    log.info("S_MP cache not written (%s)", e)
+  return est
+
+
 def project(config: Any, plan: Any, model_axis: int) -> Any:
   """The paper scenario's projection, S_MP from our planner: the model traced at paper size and
   the paper's batch on the run's DGX hardware (else dgx1-v100), planned for M = the model axis (2
   if 1) and every k of `advisor.SearchConfig` (heuristics + MILP, <= 5 s), priced in lock step;
-  the best plan gives S_MP. This run's `plan` (tiny size) says nothing about the paper model's.
-  The run's overrides named in PROJECTION_OVERRIDES apply to the paper model too.
+  the best plan gives S_MP (cached: `_s_mp_cached`). This run's `plan` (tiny size) says nothing
+  about the paper model's. The run's overrides named in PROJECTION_OVERRIDES apply to the paper
+  model too.
 
   Returns:
     (Projection, SMPEstimate): the projection and the S_MP estimate it used (with its source).
@@ -70,8 +128,10 @@ def project(config: Any, plan: Any, model_axis: int) -> Any:
   search = advisor.SearchConfig(devices=(m,), time_limit_s=min(config.time_limit_s, 5.0),
                                 seed=config.seed)
   overrides = {k: v for k, v in getattr(config, "overrides", ()) if k in PROJECTION_OVERRIDES}
-  est = advisor.advise_model(config.model, hardware=hw.name, config=search, devices=[8],
-                             model_overrides=overrides).s_mp[0]
+  key = {"model": config.model, "hardware": hw.name, "search": dataclasses.asdict(search),
+         "overrides": overrides}
+  est = _s_mp_cached(key, lambda: advisor.advise_model(
+    config.model, hardware=hw.name, config=search, devices=[8], model_overrides=overrides).s_mp[0])
   w = paper_scenario.paper_workload(config.model, hw, s_mp=[est])
   comm = projection.CommConfig(zero=getattr(config, "zero", 0),
                                reduce_scatters=max(1, int(getattr(config, "microbatches", 1) or 1)))
