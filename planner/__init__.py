@@ -16,7 +16,7 @@ from jaxhybrid.planner.lower_bounds.bounds import lower_bound
 from jaxhybrid.planner.output.gantt import gantt
 from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.place import place, place_problem, reprice
-from jaxhybrid.planner.place_shards import place_shard_or_whole
+from jaxhybrid.planner.place_shards import keeps_sharded, place_shard_or_whole
 from jaxhybrid.planner.output.plan import SCHEMA_VERSION, Plan
 from jaxhybrid.planner.core.problem import Problem
 from jaxhybrid.planner.core.schedule import Task, Transfer, validate_schedule
@@ -32,6 +32,7 @@ __all__ = [
   "TaskSchedule",
   "Transfer",
   "gantt",
+  "keeps_sharded",
   "lower_bound",
   "place",
   "place_problem",

@@ -21,6 +21,15 @@ def _peak(plan: Plan) -> float:
   return max(plan.device_peak_bytes or plan.device_memory() or (0.0,))
 
 
+def keeps_sharded(sharded: Plan, whole: Plan, tolerance: float | None = None) -> bool:
+  """Whether the sharded graph's plan is kept over the placement-only one: priced faster, or at
+  most `tolerance` (default `PlannerOptions.spread_tolerance`) slower with a smaller peak."""
+  tol = PlannerOptions().spread_tolerance if tolerance is None else tolerance
+  return (_step_price(sharded) < _step_price(whole)
+          or (_step_price(sharded) <= _step_price(whole) * (1 + tol)
+              and _peak(sharded) < _peak(whole)))
+
+
 def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts: Any) -> tuple[Plan, bool]:
   """Plans the graph with shard options and the graph with every leaf whole, each in half the
   time limit, and keeps the sharded plan (with its graph) when it is faster, or at most
@@ -51,8 +60,7 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
     return sharded, True
   tol = PlannerOptions().replace(
     **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
-  if (_step_price(sharded) < _step_price(whole)
-      or (_step_price(sharded) <= _step_price(whole) * (1 + tol) and _peak(sharded) < _peak(whole))):
+  if keeps_sharded(sharded, whole, tol):
     return sharded, True
   log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
            _step_price(sharded), _step_price(whole))

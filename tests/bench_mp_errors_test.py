@@ -61,3 +61,24 @@ def test_whole_step_reference_gets_its_own_fields(be):
   assert row["first_pick_speedup_prediction_error"] == c1["speedup_prediction_error"]
   # The node-sum fields keep their meaning.
   assert row["prediction_error_program"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_shard_or_place_figures_compare_the_candidates_timed_together(be, keeps):
+  single, multi = _jobs()
+  single["candidates"].append(
+    {"plan_method": "milp+shard", "lockstep_rank": 2, "sharded": True, "predicted_speedup": 1.4,
+     "predicted_program_speedup": 1.4, "predicted_program_step_s": 0.7, "plan_lockstep_step_s": 0.6})
+  single["planner_keeps_sharded"] = keeps
+  multi["candidate_step_s"] = [0.5, 0.8, 0.4]
+  row = be.summarise(single, multi)
+  assert row["step_s_placement_only"] == pytest.approx(0.5)  # best of the two whole candidates
+  assert row["step_s_sharded"] == pytest.approx(0.4)
+  assert row["sharded_over_placement_only"] == pytest.approx(0.8)
+  # The planner's pick: the sharded plan if kept, else the best predicted placement-only
+  # candidate ('dp', lock-step rank 0, measured 0.8 s).
+  assert row["step_s_planner_pick"] == pytest.approx(0.4 if keeps else 0.8)
+  assert row["planner_pick_measured_speedup"] == pytest.approx(1.0 / (0.4 if keeps else 0.8))
+  # Without a sharded candidate there are no such fields.
+  plain = be.summarise(*_jobs())
+  assert "step_s_sharded" not in plain and "step_s_planner_pick" not in plain

@@ -43,6 +43,13 @@ ratio_vs_fsdp = step_s_fsdp / step_s_plan (FSDP: every leaf sharded over both de
 zero1_step_ratio_2x1 = step_s_hybrid_2x1_zero1 / step_s_hybrid_2x1 (the one-device plan on 2x1
 with the optimizer state sharded over 'data', ZeRO 1, against replicated; rotating rounds),
 zero2_step_ratio_2x1 likewise with the gradients sharded too (ZeRO 2).
+Shard or place (--shard_candidate, on): when a leaf is large enough to be offered a split
+(`jaxhybrid.graph.shard`), the graph with shard options is profiled and planned too and that plan
+is timed among the candidates (`sharded: true`); step_s_placement_only (best measured whole-leaf
+candidate), step_s_sharded, sharded_over_placement_only = step_s_sharded / step_s_placement_only,
+planner_keeps_sharded (the planner's choice between the two, `planner.keeps_sharded`, as
+`parallelize` makes it), step_s_planner_pick and planner_pick_measured_speedup (that choice, or
+the best predicted whole-leaf candidate, measured).
 step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
 step| / measured step: the lock-step model's own error, without the 1-device side;
 plan_lockstep_prediction_error (_mean / _max): the plan's own lock-step price
@@ -64,6 +71,7 @@ times are medians over --steps timed steps after --warmup steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -214,8 +222,33 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     # plans priced that way (as jaxhybrid.program.lockstep.choose does), best predicted first.
     cands += [planner.place(g, cm, devices=2, microbatches=k, method=m, **kinds) for m in LOCKSTEP_CANDIDATES]
     methods += list(LOCKSTEP_CANDIDATES)
-  priced = [lockstep.plan_step_s(g, c, cm, pass_costs=pc, branch_remat=FLAGS.branch_remat,
-                                 schedule=_schedule()) for c in cands]
+  graphs = [(g, cm)] * len(cands)
+  pick = {}
+  if FLAGS.shard_candidate:
+    # The same planner on the graph with shard options (large leaves split into one piece per
+    # device, `jaxhybrid.graph.shard`), seeded by the placement-only plan, as `parallelize` does;
+    # the plan a user gets is whichever of the two `planner.keeps_sharded` keeps.
+    from jaxhybrid.graph import shard as shard_lib
+
+    g_sh, _ = shard_lib.shard_leaves(g, 2)
+    if g_sh.shards:
+      cm_sh = costs.ProfiledCostModel(
+        g_sh, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
+        min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
+        tasks=FLAGS.task_profiles, flush_bytes=FLAGS.profile_flush_bytes)
+      cm_sh.profile_all()
+      where = dict(zip(plan.node_names, plan.assignment))
+      seed = tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
+                   for n in g_sh.nodes)
+      sh = planner.place(g_sh, cm_sh, devices=2, microbatches=k, method=FLAGS.planner,
+                         time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
+      sh = dataclasses.replace(sh, shards=tuple(x.to_json() for x in g_sh.shards))
+      cands.append(sh)
+      methods.append(f"{FLAGS.planner}+shard")
+      graphs.append((g_sh, cm_sh))
+      pick = {"planner_keeps_sharded": bool(planner.keeps_sharded(sh, plan))}
+  priced = [lockstep.plan_step_s(gc, c, cmc, pass_costs=pc, branch_remat=FLAGS.branch_remat,
+                                 schedule=_schedule()) for c, (gc, cmc) in zip(cands, graphs)]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
   chosen = {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}} if FLAGS.choose_lockstep else {}
   # Every candidate the multi role will time, in predicted order; a plan two methods found
@@ -225,11 +258,15 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     distinct.setdefault((tuple(cands[i].assignment), repr(cands[i].task_schedule)), i)
   for stale in work.glob(f"plan_{name}_*.json"):
     stale.unlink()
-  for i in list(distinct.values())[: max(1, FLAGS.autotune)]:
+  timed = list(distinct.values())[: max(1, FLAGS.autotune)]
+  # The sharded graph's plan is always timed (beside the best placement-only ones).
+  timed += [i for i in distinct.values() if cands[i].shards and i not in timed]
+  for i in timed:
     cands[i].save(work / f"plan_{name}_{len(tuned)}.json")
     t = priced[i]
     tuned.append({
-      "plan_method": methods[i], "lockstep_rank": len(tuned), "predicted_step_s": cands[i].predicted_step_s,
+      "plan_method": methods[i], "lockstep_rank": len(tuned), "sharded": bool(cands[i].shards),
+      "predicted_step_s": cands[i].predicted_step_s,
       "plan_predicted_speedup": cands[i].predicted_speedup, "plan_single_device_s": cands[i].single_device_s,
       # The plan's own lock-step price (planner.pricing.price: tasks and messages, no per-byte passes).
       "plan_lockstep_step_s": getattr(cands[i], "lockstep_step_s", None),
@@ -266,7 +303,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
     "profile_flush_bytes": FLAGS.profile_flush_bytes, "profile_min_time_s": FLAGS.profile_min_time_s,
-    "candidates": tuned, **chosen,
+    "candidates": tuned, **chosen, **pick,
   }))
 
 

@@ -80,6 +80,19 @@ def summarise(single: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
     "first_pick_prediction_error": first["prediction_error_program"],
     "ratio_vs_dp_bucketed": multi["step_s_dp_bucketed"] / multi["step_s_hybrid_2x1"],
   }
+  # Shard or place, measured in the same rounds: the best placement-only candidate, the plan
+  # with shard options, and the one of the two the planner keeps (`planner.keeps_sharded`).
+  whole_s = [c["step_s_plan"] for c in cands if not c.get("sharded")]
+  sharded_s = [c["step_s_plan"] for c in cands if c.get("sharded")]
+  if whole_s and sharded_s:
+    row["step_s_placement_only"], row["step_s_sharded"] = min(whole_s), min(sharded_s)
+    row["sharded_over_placement_only"] = min(sharded_s) / min(whole_s)
+    if "planner_keeps_sharded" in single:
+      first_whole = min((c for c in cands if not c.get("sharded")),
+                        key=lambda c: c["lockstep_rank"])  # the best predicted placement
+      picked = (min(sharded_s) if single["planner_keeps_sharded"] else first_whole["step_s_plan"])
+      row["step_s_planner_pick"] = picked
+      row["planner_pick_measured_speedup"] = t1 / picked
   for key in ("prediction_error_program", "step_prediction_error", "prediction_error_program_paired",
               "plan_lockstep_prediction_error", "plan_step_prediction_error"):
     row.update(_mean_max(cands, key))

@@ -16,6 +16,9 @@ flags.DEFINE_string("planner", "milp", "Planner method.")
 # and those ran faster).
 flags.DEFINE_boolean("choose_lockstep", True, "Run whichever of the planner's plan and the "
                      "LOCKSTEP_CANDIDATES heuristic plans is fastest in lock step.")
+flags.DEFINE_boolean("shard_candidate", True, "Also plan the graph with shard options (large "
+                     "leaves split over the two devices) and time that plan beside the "
+                     "placement-only candidates.")
 flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
                      "first) on the two devices and run the fastest; 1 runs the lock-step "
                      "model's choice untimed against the others.")
