@@ -240,6 +240,37 @@ def test_shard_options_never_price_above_the_placement_only_plan():
   assert either.plan.lockstep_step_s <= whole.plan.lockstep_step_s * (1 + tol) + 1e-15
 
 
+def test_a_split_kept_on_one_device_must_be_faster_by_the_tolerance():
+  """Pieces of every leaf on one device are the whole plan plus the split's own nodes: such a
+  plan is kept only when priced faster than the whole plan by more than spread_tolerance; a
+  plan that spreads a leaf keeps the faster-or-within-tolerance-and-smaller rule."""
+  import types
+
+  from jaxhybrid import planner
+
+  tol = 0.02
+  g = types.SimpleNamespace(shards=(types.SimpleNamespace(shard_nodes=("t/shard0", "t/shard1")),))
+  names = ("t/pre", "t/shard0", "t/shard1", "t", "head")
+
+  def plan(step_s, assignment, peak):
+    return types.SimpleNamespace(predicted_step_s=step_s, node_names=names,
+                                 assignment=assignment, device_peak_bytes=(peak, peak))
+
+  whole = types.SimpleNamespace(predicted_step_s=1.0, node_names=("t", "head"),
+                                assignment=(0, 1), device_peak_bytes=(10, 10))
+  together, apart = (0, 0, 0, 0, 1), (0, 0, 1, 0, 1)
+  assert planner.place_shards.spreads(plan(1, apart, 1), g)
+  assert not planner.place_shards.spreads(plan(1, together, 1), g)
+  assert not planner.keeps_sharded(plan(0.999, together, 5), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(0.97, together, 5), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(0.999, apart, 20), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(1.01, apart, 5), whole, tol, graph=g)  # less memory
+  assert not planner.keeps_sharded(plan(1.01, apart, 20), whole, tol, graph=g)
+  assert not planner.keeps_sharded(plan(1.03, apart, 5), whole, tol, graph=g)
+  # Without the graph, the spread is not known: the general rule.
+  assert planner.keeps_sharded(plan(0.999, together, 5), whole, tol)
+
+
 def _piece_problem(piece_s=1e-3, transfer_s=1e-4):
   """emb/pre -> emb/shard0, emb/shard1 -> emb (post) -> head; 100 bytes of memory per piece."""
   from jaxhybrid.planner.core.problem import Problem

@@ -246,7 +246,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
       cands.append(sh)
       methods.append(f"{FLAGS.planner}+shard")
       graphs.append((g_sh, cm_sh))
-      pick = {"planner_keeps_sharded": bool(planner.keeps_sharded(sh, plan))}
+      pick = {"planner_keeps_sharded": bool(planner.keeps_sharded(sh, plan, graph=g_sh))}
   priced = [lockstep.plan_step_s(gc, c, cmc, pass_costs=pc, branch_remat=FLAGS.branch_remat,
                                  schedule=_schedule()) for c, (gc, cmc) in zip(cands, graphs)]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
