@@ -16,6 +16,46 @@ the planner optimised) with the measured step directly. Fields with the node-sum
 their names (prediction_error_program, ...
 plan_lockstep_prediction_error); those with the whole-step reference are speedup_prediction_error
 and plan_speedup_prediction_error (each with _mean / _max over every timed candidate).
+
+The fields of a row:
+Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan, predicted_speedup
+= predicted_1dev_s / the plan's predicted step, both from profiled costs (predicted_1dev_s: the
+graph traced at the full per-worker batch, its node times summed; the plan's own
+`plan_predicted_speedup` is against k micro-batches run on one device, which is slower than one
+full batch on a CPU), prediction_error = |pred - meas| / meas; predicted_program_speedup /
+prediction_error_program: the same with the plan priced as the program runs it (program.lockstep:
+groups in lock step, transfers not overlapped, plus the optimizer update, gradient accumulation and
+zero-fill, timed per byte in the same process), overhead_ratio_vs_jit_dp = step_s_jit_dp /
+step_s_hybrid_2x1, ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins),
+ratio_vs_fsdp = step_s_fsdp / step_s_plan (FSDP: every leaf sharded over both devices with
+`NamedSharding`, the plan's batch split over them, plain jit; > 1: the plan wins),
+zero1_step_ratio_2x1 = step_s_hybrid_2x1_zero1 / step_s_hybrid_2x1 (the one-device plan on 2x1
+with the optimizer state sharded over 'data', ZeRO 1, against replicated; rotating rounds),
+zero2_step_ratio_2x1 likewise with the gradients sharded too (ZeRO 2).
+Shard or place (--shard_candidate, on): when a leaf is large enough to be offered a split
+(`jaxhybrid.graph.shard`), the graph with shard options is profiled and planned too and that plan
+is timed among the candidates (`sharded: true`); step_s_placement_only (best measured whole-leaf
+candidate), step_s_sharded, sharded_over_placement_only = step_s_sharded / step_s_placement_only,
+planner_keeps_sharded (the planner's choice between the two, `planner.keeps_sharded`, as
+`parallelize` makes it), step_s_planner_pick and planner_pick_measured_speedup (that choice, or
+the best predicted whole-leaf candidate, measured).
+step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
+step| / measured step: the lock-step model's own error, without the 1-device side;
+plan_lockstep_prediction_error (_mean / _max): the plan's own lock-step price
+(plan_lockstep_step_s) as a speedup over the full-batch 1-device prediction, against measured;
+predicted_1dev_error = (predicted_1dev_s + predicted_1dev_update_s - step_s_1dev) / step_s_1dev.
+step_s_1dev_paired: plain jit on one device timed by the two-process job just before and after the
+candidate plans (mean; one process per core), in the same minutes as step_s_plan;
+measured_speedup_paired = step_s_1dev_paired / step_s_plan, and prediction_error_program_paired
+(_mean / _max), predicted_1dev_error_paired against it (step_s_1dev is from minutes earlier; here a
+step drifts 15-25 % between runs). The same speedups against a second one-device reference,
+predicted_1dev_whole_s (the whole forward + backward profiled as one compiled function, which sees
+what XLA fuses across nodes in a plain step; node sums miss it, the chain's by 25-38 %):
+speedup_prediction_error (lock-step program price), plan_speedup_prediction_error (the plan's own
+price), each _mean / _max and _paired, predicted_1dev_whole_error; plan_step_prediction_error:
+the plan's own lock-step price against the measured step. With --compare_unpacked: step_s_plan_unpacked (every transfer
+its own ppermute) and packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run. Step
+times are medians over --steps timed steps after --warmup steps.
 """
 
 from __future__ import annotations
@@ -35,7 +75,7 @@ def _mean_max(rows: list[dict], key: str) -> dict[str, float]:
 
 
 def summarise(single: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
-  """The model's figures (see bench_mp's docstring); updates single['candidates'] in place."""
+  """The model's figures (defined in this module's docstring); updates single['candidates'] in place."""
   t1, t1_paired = single["step_s_1dev"], multi["step_s_1dev_paired"]
   update_s = single["predicted_1dev_update_s"]
   full_1dev_s = single["predicted_1dev_s"] + update_s
