@@ -14,7 +14,8 @@ global batch 2048), and at most 1.10x with a fixed micro-batch size (`--fixed_mi
 the chain at 1x4, BigLSTM small at 1x2); predicted within 15 % of compiled; paper BigLSTM with AdaGrad fits a 16 GiB
 V100 at 1x2 and not at 1x1; hybrid within 1.3x of FSDP. `--zero_rows`: the hybrid on D x M
 meshes at each ZeRO stage (`HybridProgram.zero`) beside FSDP on the same D x M devices, with
-summary keys `<model>_<DxM>_zero<stage>_over_zero0` and `..._over_fsdp`.
+summary keys `<model>_<DxM>_zero<stage>_over_zero0` and `..._over_fsdp`. `--planned_rows`: the
+plan `parallelize` makes with its defaults (shard options, the hardware's cap) beside FSDP.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ _ZERO_ROWS = flags.DEFINE_list(
                 "biglstm:paper:16x2"],
   "<model>:<DxM> (chain, or <registry name>:<size>:<DxM>) compiled with each --zero_stages "
   "stage, beside FSDP on the same D x M devices (per-worker batch as the other rows).")
+_PLANNED_ROWS = flags.DEFINE_list(
+  "planned_rows", ["biglstm:paper:4", "biglstm:paper:8"],
+  "<registry name>:<size>:<M>: the plan `parallelize` makes by default (shard options on, the "
+  "hardware's memory cap, DGX-1 V100 costs), 1F1B with k = M, compiled on 1 x M; rows "
+  "'<name>:<size>@planner', summary keys '<name>:<size>@planner_1x<M>_over_fsdp' (FSDP from "
+  "the same model's registry row at that M, when present).")
 _ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1"], "ZeRO stages of the zero rows.")
 _UPDATE = flags.DEFINE_boolean(
   "update", False, "Keep the rows already in --out and replace (or add) only the rows this run "
@@ -137,6 +144,39 @@ def _baselines(model, loss, batch, opt, m, modes=("dp", "fsdp")):
   mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
   _, p, s, pure = graph_lib.nnx_pure_loss(model, loss, scopes=False)
   return {mode: memory.baseline_bytes(pure, p, s, batch, opt, mesh, mode) for mode in modes}
+
+
+def _planned_rows(rows, skipped, out_path, slot_min_bytes):
+  """Per --planned_rows entry: what a user gets from `parallelize` with its defaults (the
+  planner's choice between whole and split leaves under the hardware's memory cap)."""
+  import jax
+
+  from jaxhybrid import api
+  from jaxhybrid import mesh as mesh_lib
+
+  for entry in _PLANNED_ROWS.value:
+    name, size, m = entry.split(":")
+    m = int(m)
+    model, loss, batch, opt, _ = _registry_setup(name, size)
+    t0 = time.perf_counter()
+    try:
+      hy = api.parallelize(
+        model, loss, opt, batch, mesh=mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m]),
+        microbatches=m, hardware="dgx1-v100", program_options={"schedule": "1f1b"})
+      r = hy.program.memory()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+      skipped.append(f"{entry} planned: {type(e).__name__}: {str(e)[:200]}")
+      print("SKIPPED", skipped[-1], flush=True)
+      continue
+    spread = [len(set(d)) > 1 for d in hy.plan.shard_devices()]
+    rows.append({"model": f"{name}:{size}@planner", "M": m, "k": m, "schedule": "1f1b",
+                 "nodes": len(hy.graph.nodes), "plan_method": hy.plan.method,
+                 "split_leaves": len(spread), "spread_leaves": sum(spread), **r.to_dict(),
+                 "seconds": time.perf_counter() - t0})
+    print(f"{name + ':' + size + '@planner':<24} 1x{m} k={m} compiled {r.compiled / GiB:8.3f} GiB "
+          f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%}; leaves split "
+          f"{len(spread)}, spread {sum(spread)}", flush=True)
+    _write(out_path, rows, skipped, slot_min_bytes)
 
 
 def _zero_rows(rows, skipped, out_path, slot_min_bytes):
@@ -281,6 +321,7 @@ def main(argv):
       print(f"{name + '@fixed_mb':<18} 1x{m} k={k:<3} 1f1b  temp {r.compiled_temp / 2**20:8.2f} MiB "
             f"err {r.error:+6.1%}", flush=True)
       _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+  _planned_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   _zero_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   print(json.dumps(_summary(rows), indent=1))
   _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
@@ -346,7 +387,9 @@ def _summary(rows):
   for model in {r["model"] for r in rows if not r["model"].endswith("@zero")}:
     for m in {r["M"] for r in rows if r["model"] == model}:
       b = best(model, m)
-      base = next((r for r in rows if r["model"] == model and r["M"] == m and "baselines" in r),
+      # The planner's rows compare with the FSDP baseline of the same model's registry row.
+      of = model.split("@")[0] if model.endswith("@planner") else model
+      base = next((r for r in rows if r["model"] == of and r["M"] == m and "baselines" in r),
                   None)
       if b and base:
         out[f"{model}_1x{m}_over_fsdp"] = b / base["baselines"]["fsdp"]["total"]
