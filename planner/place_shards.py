@@ -27,6 +27,15 @@ def spreads(plan: Plan, graph: Any) -> bool:
   return any(len({where.get(n) for n in s.shard_nodes}) > 1 for s in graph.shards)
 
 
+def whole_on_split(whole: Plan, graph: Any) -> tuple[int, ...]:
+  """The whole-leaf plan's assignment mapped onto the split `graph`: each piece, and its leaf's
+  pre and post nodes ('<node>/...'), on the device of the node it was cut from (a seed for the
+  split graph's search)."""
+  where = dict(zip(whole.node_names, whole.assignment))
+  return tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
+               for n in graph.nodes)
+
+
 def keeps_sharded(sharded: Plan, whole: Plan, tolerance: float | None = None,
                   graph: Any = None) -> bool:
   """Whether the sharded graph's plan is kept over the placement-only one: priced faster, or at
@@ -60,9 +69,7 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
     whole = None
   seeds = tuple(half.get("seed_assignments", ()))
   if whole is not None:  # the whole plan, mapped onto the sharded graph, seeds its search
-    where = dict(zip(whole.node_names, whole.assignment))
-    seeds += (tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
-                    for n in g.nodes),)
+    seeds += (whole_on_split(whole, g),)
   try:
     sharded = place(g, costs, devices=devices, **dict(half, seed_assignments=seeds))
   except InfeasibleError:

@@ -203,9 +203,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
         min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
         tasks=FLAGS.task_profiles, flush_bytes=FLAGS.profile_flush_bytes)
       cm_sh.profile_all()
-      where = dict(zip(plan.node_names, plan.assignment))
-      seed = tuple(int(where[n.name] if n.name in where else where[n.name.rsplit("/", 1)[0]])
-                   for n in g_sh.nodes)
+      seed = planner.place_shards.whole_on_split(plan, g_sh)
       sh = planner.place(g_sh, cm_sh, devices=2, microbatches=k, method=FLAGS.planner,
                          time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
       sh = dataclasses.replace(sh, shards=tuple(x.to_json() for x in g_sh.shards))

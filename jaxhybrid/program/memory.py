@@ -341,8 +341,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     # Every window of the group counted alive at once. On one model device (no conditional)
     # XLA may update a row given whole as soon as its window is made and hold fewer (a uniform
     # chain: 15 MB compiled against 34 MB of windows); BigLSTM and GNMT hold them all.
-    out = sum(w.nbytes for w in ws)
-    out += max(w.copies(lay) for w in ws)
+    out = sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws)
     if zero == 2:  # + a window cut into several segments is copied into its [W, L/W] form,
       # + one reduce-scatter's output (its share) at a time, all the windows still alive
       cuts = prog.zero_cuts

@@ -83,14 +83,15 @@ def _s_mp_cached(key: dict[str, Any], compute: Any) -> Any:
   from jaxhybrid.costs import hardware
   from jaxhybrid.projection import s_mp
 
-  full = {**key, "code": _code_digest()}
-  name = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+  # The key as JSON gives it back (tuples as lists): what a stored key is compared with.
+  full = json.loads(json.dumps({**key, "code": _code_digest()}, sort_keys=True, default=str))
+  name = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:24]
   path = pathlib.Path(os.environ.get(hardware.CACHE_ENV, hardware.DEFAULT_CACHE_DIR)).expanduser()
   path = path / "s_mp" / f"{name}.json"
   try:
     with open(path) as f:
       data = json.load(f)
-    if data.get("key") == json.loads(json.dumps(full, sort_keys=True, default=str)):
+    if data.get("key") == full:
       return s_mp.SMPEstimate(**data["estimate"])
   except (OSError, ValueError, TypeError, KeyError):
     pass
@@ -99,7 +100,7 @@ def _s_mp_cached(key: dict[str, Any], compute: Any) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-      json.dump({"key": full, "estimate": est.to_json()}, f, sort_keys=True, default=str)
+      json.dump({"key": full, "estimate": est.to_json()}, f, sort_keys=True)
     os.replace(tmp, path)
   except OSError as e:
     log.info("S_MP cache not written (%s)", e)
