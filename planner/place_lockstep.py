@@ -110,6 +110,7 @@ def lockstep(
                        f"{sorted(set(a))}: the problem has {problem.num_nodes} nodes on "
                        f"{problem.devices} devices")
     seeds[f"given_{i}"] = (tuple(int(d) for d in a), None)
+  seeds.update(spread.spread_seeds(problem, seeds))
   # Time kept for choosing the groups (lockstep_cpsat) after the search.
   grouping = (problem.devices > 1 and "custom" in opts.schedule_kinds
               and opts.lockstep_groups_max_s != 0 and opts.lockstep_groups_share > 0)

@@ -185,14 +185,15 @@ def _brute_force(prob, k, split, caps):
   before = fbw_milp._closure(tasks, {t: price.fbw_dependencies(prob, t) for t in tasks})
   best = math.inf
   for assign in itertools.product(range(prob.devices), repeat=prob.num_nodes):
-    static = [sum(b for b, a in zip(prob.static_bytes, assign) if a == d)
-              for d in range(prob.devices)]
+    # Every device allocates the longest device's rows (row padding).
+    row = max(sum(b for b, a in zip(prob.static_bytes, assign) if a == d)
+              for d in range(prob.devices))
     per_device = []
     for d in range(prob.devices):
       mine = [t for t in tasks if assign[t.node] == d]
       per_device.append([
         o for o in _linear_extensions(mine, before)
-        if static[d] + max(price.memory_profile(prob.activation_bytes, o, split), default=0)
+        if row + max(price.memory_profile(prob.activation_bytes, o, split), default=0)
         <= caps[d]
       ])
     for combo in itertools.product(*per_device):
@@ -211,14 +212,15 @@ def _tiny(diamond: bool) -> Problem:
 
 
 # (problem, k, split, caps): the caps are unequal and exclude placements (and, with k = 2,
-# orders that keep too many residuals alive).
+# orders that keep too many residuals alive). Every device allocates the longest device's rows:
+# the chain's best split holds 20 bytes of rows on both devices.
 CASES = [
-  ("chain", 1, False, (30, 22)),
-  ("chain", 1, True, (30, 22)),
-  ("chain", 2, False, (30, 22)),
+  ("chain", 1, False, (30, 26)),
+  ("chain", 1, True, (30, 26)),
+  ("chain", 2, False, (36, 28)),
   ("chain", 2, False, (1000, 1000)),
-  ("diamond", 1, False, (20, 16)),
-  ("diamond", 1, True, (20, 16)),
+  ("diamond", 1, False, (20, 18)),
+  ("diamond", 1, True, (20, 18)),
 ]
 
 
@@ -260,14 +262,14 @@ def test_fbw_milp_equals_brute_force_and_bounds_every_lockstep_schedule(name, k,
 
 def test_place_uses_the_fbw_milp_bound_and_is_never_worse_than_the_baselines():
   prob = _tiny(True)
-  opts = planner.PlannerOptions(devices=2, microbatches=1, memory_caps_bytes=(20, 16), **WORK)
+  opts = planner.PlannerOptions(devices=2, microbatches=1, memory_caps_bytes=(20, 18), **WORK)
   plan = planner.place_problem(prob, opts)
   got = price.lockstep_price(prob, plan.assignment, plan.task_schedule).step_s
   assert plan.lockstep_step_s == pytest.approx(got)
   assert plan.lockstep_step_s <= min(plan.lockstep_baselines.values()) + 1e-12
   assert plan.lockstep_bound_s <= plan.lockstep_step_s + 1e-9
   assert plan.lockstep_bound_s >= fbw_search.simple_bound(prob, 1)
-  assert all(m <= c for m, c in zip(plan.device_peak_bytes, (20, 16)))
+  assert all(m <= c for m, c in zip(plan.device_peak_bytes, (20, 18)))
 
 
 def test_infeasible_caps_say_how_many_bytes_are_missing_in_one_line():

@@ -99,13 +99,13 @@ def _with_link(prob: Problem) -> Problem:
 # (problem, link model, k, split, caps)
 CASES = [
   ("chain", False, 1, False, None),
-  ("chain", False, 2, False, (30, 22)),
+  ("chain", False, 2, False, (36, 28)),
   ("chain", True, 2, False, None),
   ("chain", True, 1, True, None),
   ("diamond", False, 1, False, (20, 16)),
   ("diamond", True, 1, False, None),
   ("diamond", True, 1, True, (20, 16)),
-  ("pieces", False, 1, False, (14, 24)),
+  ("pieces", False, 1, False, (20, 24)),
   ("pieces", True, 1, False, None),
 ]
 

@@ -300,6 +300,70 @@ def test_spread_puts_pieces_on_different_devices_when_the_price_allows():
   assert spread.spread(costly, 2, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
 
 
+def _two_tables_problem(devices=4, transfer_s=1e-4):
+  """Two split leaves a and b of 200 bytes each (one piece per device) read by a chain: a/pre,
+  a's pieces, a (post), then the same for b."""
+  from jaxhybrid.planner.core.problem import Problem
+
+  M = devices
+  names, times, mem, edges = [], [], [], []
+  for leaf in ("a", "b"):
+    pre = len(names)
+    if pre:
+      edges.append((pre - 1, pre))
+    names += [f"{leaf}/pre"] + [f"{leaf}/shard{d}" for d in range(M)] + [leaf]
+    times += [1e-4] + [1e-3] * M + [1e-4]
+    mem += [0] + [200 // M] * M + [0]
+    edges += [(pre, pre + 1 + d) for d in range(M)] + [(pre + 1 + d, pre + 1 + M) for d in range(M)]
+  return Problem.build(times, edges, devices=M, transfer_s=transfer_s, names=names,
+                       memory_bytes=mem)
+
+
+def test_every_device_is_priced_with_the_longest_row():
+  from jaxhybrid.planner.core import task_schedule as ts
+  from jaxhybrid.planner.pricing import price
+
+  prob = _two_tables_problem()
+  apart = (0,) * 6 + (1,) * 6  # a whole on device 0, b whole on device 1: rows of 200
+  sch = ts.generate("1f1b", prob.num_nodes, prob.edges, apart, 4, 1)
+  assert price.peak_memory_bytes(prob, apart, sch) == [200.0] * 4
+  together = (0,) * 11 + (1,)  # devices 1-3 own nothing and still allocate 400
+  sch = ts.generate("1f1b", prob.num_nodes, prob.edges, together, 4, 1)
+  assert price.peak_memory_bytes(prob, together, sch) == [400.0] * 4
+  assert not price.fits(prob, together, sch, (400.0, 400.0, 400.0, 399.0))
+
+
+def test_spread_spreads_every_leaf_at_once_when_one_at_a_time_cannot_lower_the_peak():
+  from jaxhybrid.planner.search import fbw_search, spread
+
+  prob = _two_tables_problem()
+  groups = spread.piece_groups(prob.names, 4)
+  assert groups == [(1, 2, 3, 4), (7, 8, 9, 10)]
+  apart = (0,) * 6 + (1,) * 6
+  # Spreading a alone puts a piece beside b: device 1 owns 250 bytes, more than 200.
+  for r in range(4):
+    one = spread.spread_all(apart, groups[:1], 4, r)
+    assert max(fbw_search.best_schedule(prob, one, 1, None)[3]) == 250
+  name, sch, step, mem = fbw_search.best_schedule(prob, apart, 1, None)
+  choice = fbw_search.Choice(apart, sch, step, tuple(mem), "test")
+  got = spread.spread(prob, 1, None, choice, tolerance=0.5, kinds=("1f1b",))
+  for g in groups:
+    assert sorted(got.assignment[n] for n in g) == [0, 1, 2, 3]
+  assert max(got.peak_bytes) == 100 and got.found_by == "test+spread"
+  assert got.step_s <= step * 1.5
+
+
+def test_spread_seeds_give_the_search_every_seed_with_its_leaves_spread():
+  from jaxhybrid.planner.search import spread
+
+  prob = _two_tables_problem(devices=2)
+  seeds = {"apart": ((0, 0, 0, 0, 1, 1, 1, 1), None), "even": ((0, 0, 1, 0, 1, 0, 1, 1), [])}
+  # An already spread seed adds nothing; a whole-leaf one comes back with piece d on device d.
+  assert spread.spread_seeds(prob, seeds) == {"apart+spread": ((0, 0, 1, 0, 1, 0, 1, 1), None)}
+  assert spread.spread_seeds(_piece_problem(), {"x": ((1, 1, 1, 1, 0), None)}) == {
+    "x+spread": ((1, 0, 1, 1, 0), None)}
+
+
 def test_a_seed_placement_of_the_wrong_size_is_refused():
   from conftest import LIGHT_DETERMINISTIC_PLANNER
 

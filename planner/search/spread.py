@@ -4,15 +4,17 @@ A leaf split into M pieces (`jaxhybrid.graph.shard`: shard nodes named `<node>/s
 `<node>/<key>.shard<d>`) divides its memory by M only if the pieces sit on different devices. The
 lock-step search minimises the step time, and under a roomy memory cap it has no reason to
 spread the pieces of a cheap lookup. This pass tries, for each split leaf (largest first), the
-M rotations "piece d on device (d + r) mod M" and keeps the one with the smallest per-device
-peak memory whose lock-step price stays within `tolerance` of the search's price: memory for
-(nearly) free, never more than that tolerance of step time.
+M rotations "piece d on device (d + r) mod M" (first for every split leaf at once) and keeps the
+one with the smallest per-device peak memory whose lock-step price stays within `tolerance` of the
+search's price: memory for (nearly) free, never more than that tolerance of step time.
+`spread_seeds` gives the lock-step search the same placements spread from the start.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxhybrid.planner.core.problem import Problem
 from jaxhybrid.planner.pricing import lockstep_rule
@@ -31,11 +33,42 @@ def piece_groups(names: Sequence[str], devices: int) -> list[tuple[int, ...]]:
           if sorted(g) == list(range(devices))]
 
 
+def spread_all(assignment: Sequence[int], groups: Sequence[tuple[int, ...]], devices: int,
+               rotation: int = 0) -> tuple[int, ...]:
+  """`assignment` with piece d of every split leaf on device (d + rotation) mod `devices`."""
+  a = list(assignment)
+  for group in groups:
+    for d, n in enumerate(group):
+      a[n] = (d + rotation) % devices
+  return tuple(a)
+
+
+def spread_seeds(
+  problem: Problem, seeds: Mapping[str, tuple[Sequence[int], Any]],
+) -> dict[str, tuple[tuple[int, ...], None]]:
+  """Each seed placement with every split leaf spread (piece d on device d), named
+  `<seed>+spread`. The searches that find the seeds cap what each device owns; every device
+  allocates the longest device's rows, so a plan that keeps two large leaves whole on different
+  devices can fit their caps and not the program's, where the same plan with the leaves spread
+  fits (paper BigLSTM on 1x8 under 6 GiB)."""
+  groups = piece_groups(problem.names, problem.devices)
+  if problem.devices < 2 or not groups:
+    return {}
+  out = {}
+  for name, (assignment, _) in seeds.items():
+    a = spread_all(assignment, groups, problem.devices)
+    if a != tuple(assignment):
+      out[f"{name}+spread"] = (a, None)
+  return out
+
+
 def spread(
   problem: Problem, k: int, caps: Sequence[float] | None, choice: fbw_search.Choice,
   tolerance: float, kinds: Sequence[str],
 ) -> fbw_search.Choice:
-  """`choice` with the pieces of split leaves spread where the price allows (module docstring)."""
+  """`choice` with the pieces of split leaves spread where the price allows (module docstring).
+  Every leaf spread at once (each rotation) is tried before one leaf at a time: spreading one
+  leaf alone can raise the peak (its pieces land beside another leaf kept whole)."""
   M = problem.devices
   groups = piece_groups(problem.names, M)
   if M < 2 or not groups or tolerance < 0:
@@ -43,21 +76,31 @@ def spread(
   limit = choice.step_s * (1 + tolerance)
   params = problem.param_bytes or (0,) * problem.num_nodes
   best = choice
-  for group in sorted(groups, key=lambda g: -sum(params[n] for n in g)):
-    if len({best.assignment[n] for n in group}) == M:
-      continue
-    options = []
-    for r in range(M):
-      a = list(best.assignment)
-      for d, n in enumerate(group):
-        a[n] = (d + r) % M
-      got = fbw_search.best_schedule(problem, a, k, caps, kinds=[x for x in kinds if x != "custom"])
-      if got is not None and got[2] <= limit:
-        name, sch, step, mem = got
-        options.append((max(mem), step, r, a, sch, mem))
+  generated = [x for x in kinds if x != "custom"]
+
+  def option(a: tuple[int, ...]):
+    got = fbw_search.best_schedule(problem, a, k, caps, kinds=generated)
+    if got is None or got[2] > limit:
+      return None
+    _, sch, step, mem = got
+    return max(mem), step, a, sch, mem
+
+  def take(options) -> None:
+    nonlocal best
+    options = [o for o in options if o is not None]
     if options and min(options)[0] < max(best.peak_bytes or (float("inf"),)):
-      _, step, _, a, sch, mem = min(options)
-      best = dataclasses.replace(best, assignment=tuple(a), schedule=sch, step_s=step,
+      _, step, a, sch, mem = min(options, key=lambda o: (o[0], o[1], o[2]))
+      best = dataclasses.replace(best, assignment=a, schedule=sch, step_s=step,
                                  peak_bytes=tuple(mem),
                                  found_by=best.found_by.split("+spread")[0] + "+spread")
+
+  def spread_already(group: tuple[int, ...]) -> bool:
+    return len({best.assignment[n] for n in group}) == M
+
+  if len(groups) > 1 and not all(spread_already(g) for g in groups):
+    take(option(spread_all(best.assignment, groups, M, r)) for r in range(M))
+  for group in sorted(groups, key=lambda g: -sum(params[n] for n in g)):
+    if spread_already(group):
+      continue
+    take(option(spread_all(best.assignment, [group], M, r)) for r in range(M))
   return best

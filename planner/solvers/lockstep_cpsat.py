@@ -195,9 +195,8 @@ def improve(
   memory = None
   finite = [c for c in caps or () if math.isfinite(c)]
   if finite:
-    static = [0.0] * M
-    for i, d in enumerate(assignment):
-      static[d] += problem.static_bytes[i]
+    # Every device allocates the longest device's rows (price.peak_memory_bytes).
+    static = [max(price_lib.device_static_bytes(problem, assignment))] * M
     if any(s > c for s, c in zip(static, caps)):
       return None
     unit = max(max(finite) / _MEMORY_UNITS, 1e-300)
