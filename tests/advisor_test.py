@@ -40,7 +40,7 @@ def test_s_mp_is_one_device_over_the_best_lockstep_plan(name):
   for e in found.estimates():
     cands = [c for c in found.candidates if c.m == e.m]
     assert len(cands) == len(GRID.planners) * len(GRID.microbatches)
-    best = min((c for c in cands if c.fits) or cands, key=lambda c: c.step_s)
+    best = min([c for c in cands if c.fits] or cands, key=lambda c: c.step_s)
     assert e.s_mp == pytest.approx(found.single_device_s / best.step_s)
     assert (e.microbatches, e.planner, e.predicted_step_s) == (best.k, best.planner, best.step_s)
 

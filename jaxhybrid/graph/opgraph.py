@@ -174,6 +174,13 @@ class OpGraph:
     )
     return jex.core.ClosedJaxpr(jaxpr, [])
 
+  def saved_bytes(self, node: Node) -> int:
+    """Bytes the node keeps per micro-batch for its backward: outputs + residuals
+    (`jaxhybrid.graph.residuals`)."""
+    from jaxhybrid.graph import residuals
+
+    return residuals.saved_bytes(self, node)
+
   def node_fn(self, node: Node) -> Callable[..., list[Any]]:
     """A function `(*inputs) -> [outputs]` replaying the node's equations."""
     return jex.core.jaxpr_as_fun(self.node_jaxpr(node))

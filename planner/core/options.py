@@ -67,8 +67,12 @@ class PlannerOptions:
   optimizer_state_factor: float = 2.0
   # Assumption: gradient bytes per parameter byte (one gradient buffer of the parameters' size).
   gradient_factor: float = 1.0
-  # Assumption: bytes of saved activations per output byte of a node, per micro-batch (the
-  # forward output is kept for the backward pass of every micro-batch in flight).
+  # What a node keeps per micro-batch in flight, from its forward to its backward: 'saved' =
+  # its outputs plus the residuals its pullback holds, traced from the node's jaxpr
+  # (`OpGraph.saved_bytes`; an LSTM layer keeps every step's gates, ~100x its output);
+  # 'outputs' = its outputs only (also used for graphs that cannot trace their nodes).
+  activation_model: str = "saved"
+  # Assumption: a multiplier on those bytes (1: as counted).
   activation_factor: float = 1.0
   # Use the exact block decomposition at cut vertices (one micro-batch, no binding memory cap).
   decompose: bool = True
@@ -211,6 +215,8 @@ class PlannerOptions:
     if bad_rules:
       raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column (or () to "
                        "keep every leaf whole).")
+    if self.activation_model not in ("saved", "outputs"):
+      raise ValueError(f"activation_model={self.activation_model!r}: use 'saved' or 'outputs'.")
     if not 0.0 <= self.spread_tolerance < 1.0:
       raise ValueError(f"spread_tolerance={self.spread_tolerance!r}: use a fraction in [0, 1).")
     if not 0.0 <= self.shard_min_fraction <= 1.0:

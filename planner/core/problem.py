@@ -355,7 +355,8 @@ class Problem:
     """Reads a traced graph and a cost model.
 
     Memory per node (assumption, PlannerOptions): param_bytes * (1 + optimizer_state_factor +
-    gradient_factor) held once, plus out_bytes * activation_factor per micro-batch in flight.
+    gradient_factor) held once, plus per micro-batch in flight what the node keeps for its
+    backward (`activation_model`: outputs + residuals, or outputs only) * activation_factor.
     Parallel edges between the same two nodes are merged (bytes summed).
 
     Args:
@@ -422,7 +423,8 @@ class Problem:
       names=tuple(str(n.name) for n in nodes),
       compute_s=tuple(total),
       static_bytes=tuple(int(round(n.param_bytes * weight)) for n in nodes),
-      activation_bytes=tuple(int(round(n.out_bytes * options.activation_factor)) for n in nodes),
+      activation_bytes=tuple(int(round(b * options.activation_factor))
+                             for b in _kept_bytes(graph, nodes, options.activation_model)),
       edges=tuple(keys),
       edge_bytes=tuple(merged[k] for k in keys),
       transfer_s=mats,
@@ -474,3 +476,12 @@ def _values(
       row.append(ids[id(v)])
     per_edge.append(tuple(row))
   return tuple(vbytes), tuple(vdtypes), tuple(per_edge)
+
+
+def _kept_bytes(graph: Any, nodes: Sequence[Any], model: str) -> list[int]:
+  """Per node, the bytes it keeps per micro-batch: `graph.saved_bytes(node)` under 'saved' when
+  the graph has it, else the node's outputs."""
+  saved = getattr(graph, "saved_bytes", None)
+  if model == "saved" and saved is not None:
+    return [int(saved(n)) for n in nodes]
+  return [int(n.out_bytes) for n in nodes]
