@@ -47,11 +47,13 @@ _ZERO_ROWS = flags.DEFINE_list(
   "<model>:<DxM> (chain, or <registry name>:<size>:<DxM>) compiled with each --zero_stages "
   "stage, beside FSDP on the same D x M devices (per-worker batch as the other rows).")
 _PLANNED_ROWS = flags.DEFINE_list(
-  "planned_rows", ["biglstm:paper:4", "biglstm:paper:8"],
-  "<registry name>:<size>:<M>: the plan `parallelize` makes by default (shard options on, the "
-  "hardware's memory cap, DGX-1 V100 costs), 1F1B with k = M, compiled on 1 x M; rows "
-  "'<name>:<size>@planner', summary keys '<name>:<size>@planner_1x<M>_over_fsdp' (FSDP from "
-  "the same model's registry row at that M, when present).")
+  "planned_rows", ["biglstm:paper:4", "biglstm:paper:8", "biglstm:paper:8:7"],
+  "<registry name>:<size>:<M>[:<cap GiB>]: the plan `parallelize` makes by default (shard "
+  "options on, the hardware's memory cap or the given one, DGX-1 V100 costs), 1F1B with k = M, "
+  "compiled on 1 x M; rows '<name>:<size>@planner' ('..._cap<C>GiB' with a cap), summary keys "
+  "'<row model>_1x<M>_over_fsdp' (FSDP from the same model's registry row at that M, when "
+  "present) and 'planner_device_error_max' (the planner's per-device figure against the "
+  "compiled bytes, every device of every planned row).")
 _ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1"], "ZeRO stages of the zero rows.")
 _UPDATE = flags.DEFINE_boolean(
   "update", False, "Keep the rows already in --out and replace (or add) only the rows this run "
@@ -155,27 +157,37 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
   from jaxhybrid import mesh as mesh_lib
 
   for entry in _PLANNED_ROWS.value:
-    name, size, m = entry.split(":")
+    name, size, m, *cap = entry.split(":")
     m = int(m)
+    label = f"{name}:{size}@planner" + (f"_cap{cap[0]}GiB" if cap else "")
+    opts = {"memory_caps_bytes": int(float(cap[0]) * GiB)} if cap else None
     model, loss, batch, opt, _ = _registry_setup(name, size)
     t0 = time.perf_counter()
     try:
       hy = api.parallelize(
         model, loss, opt, batch, mesh=mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m]),
-        microbatches=m, hardware="dgx1-v100", program_options={"schedule": "1f1b"})
+        microbatches=m, hardware="dgx1-v100", program_options={"schedule": "1f1b"},
+        planner_options=opts)
       r = hy.program.memory()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
       skipped.append(f"{entry} planned: {type(e).__name__}: {str(e)[:200]}")
       print("SKIPPED", skipped[-1], flush=True)
       continue
     spread = [len(set(d)) > 1 for d in hy.plan.shard_devices()]
-    rows.append({"model": f"{name}:{size}@planner", "M": m, "k": m, "schedule": "1f1b",
+    # The planner's own figure per device against the compiled one (the same on every device).
+    peaks = [float(x) for x in hy.plan.device_peak_bytes]
+    planner_err = [p / r.compiled - 1 for p in peaks]
+    rows.append({"model": label, "M": m, "k": m, "schedule": "1f1b",
+                 "cap_bytes": int(min(hy.plan.memory_caps_bytes or (0,))),
                  "nodes": len(hy.graph.nodes), "plan_method": hy.plan.method,
                  "split_leaves": len(spread), "spread_leaves": sum(spread), **r.to_dict(),
+                 "planner_device_peak": peaks, "planner_device_error": planner_err,
+                 "predicted_step_s": hy.plan.predicted_step_s,
                  "seconds": time.perf_counter() - t0})
-    print(f"{name + ':' + size + '@planner':<24} 1x{m} k={m} compiled {r.compiled / GiB:8.3f} GiB "
-          f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%}; leaves split "
-          f"{len(spread)}, spread {sum(spread)}", flush=True)
+    print(f"{label:<30} 1x{m} k={m} compiled {r.compiled / GiB:8.3f} GiB "
+          f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%}; planner per device "
+          f"{min(planner_err):+6.1%}..{max(planner_err):+6.1%}; leaves split {len(spread)}, "
+          f"spread {sum(spread)}; predicted step {hy.plan.predicted_step_s * 1e3:.1f} ms", flush=True)
     _write(out_path, rows, skipped, slot_min_bytes)
 
 
@@ -388,12 +400,15 @@ def _summary(rows):
     for m in {r["M"] for r in rows if r["model"] == model}:
       b = best(model, m)
       # The planner's rows compare with the FSDP baseline of the same model's registry row.
-      of = model.split("@")[0] if model.endswith("@planner") else model
+      of = model.split("@")[0] if "@planner" in model else model
       base = next((r for r in rows if r["model"] == of and r["M"] == m and "baselines" in r),
                   None)
       if b and base:
         out[f"{model}_1x{m}_over_fsdp"] = b / base["baselines"]["fsdp"]["total"]
         out[f"{model}_1x{m}_over_dp"] = b / base["baselines"]["dp"]["total"]
+  planned = [e for r in rows if "@planner" in r["model"] for e in r.get("planner_device_error", ())]
+  if planned:  # the planner's per-device figure against the compiled program, every device
+    out["planner_device_error_max"] = max(abs(e) for e in planned)
   for m in (1, 2):
     b = best("biglstm:paper", m)
     if b:
