@@ -382,7 +382,7 @@ def parallelize(
         g_, plan_, check = planned({**opts, "memory_caps_bytes": caps})
         return build(g_, plan_)
 
-      plan, prog, refits = fit_lib.refit(plan, prog, replan)
+      plan, prog, refits = fit_lib.refit(plan, prog, replan, compiled=fit_lib.compiled_bytes)
       g = prog.graph
       if check is not None and refits:
         check = dataclasses.replace(check, memory_refits=tuple(refits))

@@ -108,3 +108,27 @@ def test_caps_lowered_too_far_for_any_plan_are_raised_half_way_back():
   first = 100 * MiB - 20 * MiB * fit.FIT_MARGIN
   assert asked == [pytest.approx(first), pytest.approx((first + 100 * MiB) / 2)]
   assert prog == "fits" and checks[-1].fits
+
+
+def test_a_prediction_just_above_the_cap_is_settled_by_the_compiled_figure():
+  plan = FakePlan((100 * MiB, 100 * MiB), (95 * MiB, 60 * MiB))
+  no_replan = lambda caps: pytest.fail("re-planned a program that compiles within its cap")  # noqa: E731
+  got, prog, checks = fit.refit(plan, "prog", no_replan, measure=lambda p: 105 * MiB,
+                                compiled=lambda p: 97 * MiB)
+  assert (got, prog) == (plan, "prog")
+  assert checks[0].fits and checks[0].compiled and checks[0].program_bytes == 97 * MiB
+  # Far above the cap (beyond the prediction's error band) nothing is compiled: re-planned.
+  seen = []
+  replan = lambda caps: (seen.append(caps) or FakePlan(caps, (50 * MiB, 50 * MiB), "second"),  # noqa: E731
+                         "prog2")
+  never = lambda p: pytest.fail("compiled a program far above its cap")  # noqa: E731
+  sizes = {"prog": 130 * MiB, "prog2": 90 * MiB}
+  got, prog, checks = fit.refit(plan, "prog", replan, measure=sizes.__getitem__, compiled=never)
+  assert prog == "prog2" and len(seen) == 1 and not checks[0].compiled
+  # Compiled and still above: the compiled figure is the excess re-planned for.
+  seen.clear()
+  sizes = {"prog": 105 * MiB, "prog2": 90 * MiB}
+  got, prog, checks = fit.refit(plan, "prog", replan, measure=sizes.__getitem__,
+                                compiled=lambda p: 104 * MiB)
+  assert prog == "prog2" and checks[0].compiled and checks[0].program_bytes == 104 * MiB
+  assert min(seen[0]) == pytest.approx(100 * MiB - 4 * MiB * fit.FIT_MARGIN)

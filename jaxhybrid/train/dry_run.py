@@ -140,10 +140,12 @@ def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:
   if not peaks:
     return out
   gib = float(1 << 30)
-  lines = ["planner memory per device (static + residuals over its task order) vs the program:"]
+  lines = ["planner memory per device (the fullest device's rows + this device's residuals over "
+           "its task order) vs the program:"]
   if len(refits) > 1:
     lines.insert(0, f"re-planned {len(refits) - 1} time(s) under lower planner caps: the program "
-                 "needed " + ", ".join(f"{r.program_bytes / gib:.2f}" for r in refits[:-1])
+                 "needed " + ", ".join(f"{r.program_bytes / gib:.2f}"
+                                      + (" (compiled)" if r.compiled else "") for r in refits[:-1])
                  + f" GiB per device over the {refits[0].cap / gib:.2f} GiB cap")
   for d, b in enumerate(peaks):
     cap = plan.memory_caps_bytes[d] if d < len(plan.memory_caps_bytes) else None
