@@ -99,12 +99,12 @@ def _with_link(prob: Problem) -> Problem:
 # (problem, link model, k, split, caps)
 CASES = [
   ("chain", False, 1, False, None),
-  ("chain", False, 2, False, (36, 28)),
+  ("chain", False, 2, False, (40, 36)),
   ("chain", True, 2, False, None),
   ("chain", True, 1, True, None),
-  ("diamond", False, 1, False, (20, 16)),
+  ("diamond", False, 1, False, (20, 18)),
   ("diamond", True, 1, False, None),
-  ("diamond", True, 1, True, (20, 16)),
+  ("diamond", True, 1, True, (20, 18)),
   ("pieces", False, 1, False, (20, 24)),
   ("pieces", True, 1, False, None),
 ]

@@ -13,13 +13,14 @@ where L is the longest device's bytes in that message (the message buffer is the
 devices' parts). With no link model in the problem (hand-built problems) a message costs the
 largest sum over senders of its edges' one-way times.
 
-`peak_memory_bytes` is the planner's memory of a device as the SPMD program allocates it: the
-static bytes (parameters, optimizer state, gradient row) of the device that owns the most, since
-every model-axis device allocates rows as long as the longest (row padding), plus, maximised over
-the device's own task order, the residuals of every F(i, c) whose B(i, c) (W(i, c) when split) has
-not finished. Paper BigLSTM on 1x8 with both vocabulary tables whole: two devices own 13.3 GiB,
-six own nothing, and all eight compile to 13.3 GiB. In-flight messages and the program's group
-buffers are not counted (they are the program's, not the schedule's). The exact solvers cap what
+`peak_memory_bytes` is the planner's memory of a device as the SPMD program allocates it, the
+same on every model-axis device (so the smallest cap binds): the static bytes (parameters,
+optimizer state, gradient row) of the device that owns the most, since every device allocates
+rows as long as the longest (row padding), plus the largest, over devices, of the peak over the
+device's task order of the residuals of every F(i, c) whose B(i, c) (W(i, c) when split) has not
+finished, since a lock-step group's buffers are as large as the largest device's values. Paper
+BigLSTM on 1x8 with both vocabulary tables whole: two devices own 13.3 GiB, six own nothing, and
+all eight compile to 13.3 GiB. In-flight messages are not counted. The placement solvers cap what
 each device owns (a relaxation of this rule, so their bounds stay valid); their placements are
 kept only when this rule fits.
 
@@ -201,13 +202,12 @@ def memory_profile(
 def peak_memory_bytes(
   problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
 ) -> list[float]:
-  """Per device: the longest device's static bytes (`row_bytes`) + the peak of `memory_profile`
-  over the device's own order."""
+  """Per device, the same figure on every device: the longest device's static bytes + the
+  largest peak of `memory_profile` over a device's order (module docstring)."""
   row = max(device_static_bytes(problem, assignment), default=0.0)
-  return [
-    row + max(memory_profile(problem.activation_bytes, ops, schedule.split), default=0.0)
-    for ops in schedule.devices
-  ]
+  live = max((max(memory_profile(problem.activation_bytes, ops, schedule.split), default=0.0)
+              for ops in schedule.devices), default=0.0)
+  return [row + live] * problem.devices
 
 
 def device_static_bytes(problem: Problem, assignment: Sequence[int]) -> list[float]:

@@ -16,10 +16,11 @@ Constraints:
     activations a -> b; B(s, c) -> B(i, c) pays the cotangents of edge (i, s) back; F -> B -> W of
     one node on its device: s[u] >= s[t] + dur[t] + sum_{a != b} delay(e, a, b) y[e, a, b];
   - no two tasks overlap on a device;
-  - memory (with caps): per device d, the longest device's static bytes (every device allocates
-    rows that long) + at the start of every F(i, c) on d the residuals of every F(j, c') on d that
-    ran at or before it and whose release task (B, or W when split) runs after it  <= cap[d]
-    (price.peak_memory_bytes, the same rule);
+  - memory (with caps): the longest device's static bytes (every device allocates rows that
+    long) + at the start of every F(i, c) on any device d the residuals of every F(j, c') on d
+    that ran at or before it and whose release task (B, or W when split) runs after it
+    <= the smallest cap (price.peak_memory_bytes, the same rule: the program allocates the same
+    on every device);
   - C >= s[t] + dur[t].
 Objective: min C.
 
@@ -203,11 +204,13 @@ def solve(
     total = sum(problem.static_bytes) + k * sum(problem.activation_bytes) + 1.0
     release = "W" if split else "B"
     fs = [t for t in tasks if t.kind == "F"]
-    # Every device allocates the longest device's rows: row >= each device's static bytes.
+    # Every device allocates the longest device's rows (row >= each device's static bytes) and
+    # the largest device's residuals: the smallest cap binds every device.
     row = m.add_var(lb=0.0)
+    cap = min(caps)
+    m += row <= cap
     for d in range(M):
       m += row >= mip.xsum(problem.static_bytes[j] * x[j, d] for j in range(n))
-      m += row <= caps[d]
     for t in fs:
       alive = []
       for u in fs:
@@ -226,7 +229,7 @@ def solve(
         m += a >= b_f + a_r - 1 - (1 - same[t.node, u.node])
         alive.append(res * a)
       for d in range(M):
-        m += row + mip.xsum(alive) <= caps[d] + total * (1 - x[t.node, d])
+        m += row + mip.xsum(alive) <= cap + total * (1 - x[t.node, d])
   m.objective = mip.minimize(C)
   status = m.optimize(max_seconds=time_limit_s, **node_limit(max_nodes))
   bound = proven_bound(m, 0.0) / unit

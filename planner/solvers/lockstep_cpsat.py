@@ -195,8 +195,10 @@ def improve(
   memory = None
   finite = [c for c in caps or () if math.isfinite(c)]
   if finite:
-    # Every device allocates the longest device's rows (price.peak_memory_bytes).
+    # Every device allocates the longest device's rows and the largest device's residuals
+    # (price.peak_memory_bytes): the smallest cap binds every device.
     static = [max(price_lib.device_static_bytes(problem, assignment))] * M
+    caps = [min(caps)] * M
     if any(s > c for s, c in zip(static, caps)):
       return None
     unit = max(max(finite) / _MEMORY_UNITS, 1e-300)
