@@ -158,8 +158,8 @@ def refit(
     excess = (need - cap) / rate * FIT_MARGIN
     last_ok = caps
     caps = tuple(max(c - excess, 0.0) for c in caps)
-    log.info("the program needs %s per device, over the %s cap (row padding and group "
-             "buffers the planner does not count): re-planning with caps %s lower",
+    log.info("the program needs %s per device, over the %s cap (group buffers and values "
+             "beyond the planner's count): re-planning with caps %s lower",
              _size(need), _size(cap), _size(excess))
     while True:
       replans += 1
