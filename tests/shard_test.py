@@ -53,7 +53,8 @@ def test_rewrite_keeps_loss_and_gradients():
   g = graph_lib.trace(model, vocab_loss, batch)
   g3, report = shard.shard_leaves(g, 3)
   rules = {s.path.split("'")[1]: (s.rule, s.axis) for s in report.shards}
-  assert rules == {"emb": ("lookup", 0), "out": ("column", 1), "mid": ("column", 1)}
+  # The embedding is only looked up, by whole rows: split along its features (axis 1).
+  assert rules == {"emb": ("lookup", 1), "out": ("column", 1), "mid": ("column", 1)}
   # Every piece is read by exactly one node, and the three pieces of a leaf by three nodes.
   readers = [[n.id for n in g3.nodes if j in n.param_leaves] for j in range(len(g3.param_avals))]
   assert all(len(r) == 1 for r in readers)
@@ -68,22 +69,34 @@ def test_rewrite_keeps_loss_and_gradients():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_ids_outside_the_table_read_what_the_whole_table_reads():
-  """jnp.take fills ids past the table with NaN; indexing clamps them: the pieces do the same."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_ids_outside_the_table_read_what_the_whole_table_reads(tied):
+  """jnp.take fills ids past the table with NaN; indexing clamps them: the pieces do the same,
+  split along the row's features (looked up only) or along the rows (also a projection)."""
   table = jnp.arange(40.0).reshape(10, 4)
 
   def loss(p, s, b):
     del s
     a = jnp.take(p["t"], b["i"], axis=0)
     c = p["t"][b["j"]]
-    return jnp.sum(jnp.where(jnp.isnan(a), 7.0, a)) + jnp.sum(c * c)
+    out = jnp.sum(jnp.where(jnp.isnan(a), 7.0, a)) + jnp.sum(c * c)
+    return out + jnp.sum(jnp.einsum("bd,vd->bv", b["h"], p["t"])) if tied else out
 
-  b = {"i": jnp.array([0, 3, 9, 10, 12], jnp.int32), "j": jnp.array([1, 9, 11, 20], jnp.int32)}
+  b = {"i": jnp.array([0, 3, 9, 10, 12], jnp.int32), "j": jnp.array([1, 9, 11, 20], jnp.int32),
+       "h": jnp.ones((2, 4))}
   g = graph_lib.trace_function(loss, {"t": table}, {}, b)
   g2, report = shard.shard_leaves(g, 3)
-  assert [s.rule for s in report.shards] == ["lookup"]
+  want = ("column+lookup", 0) if tied else ("lookup", 1)
+  assert [(s.rule, s.axis) for s in report.shards] == [want]
   pieces = shard.split_leaves(g2, [table])
+  assert pieces[0].shape == ((3, 4) if tied else (10, 1))
   np.testing.assert_array_equal(_run(g2, pieces, {}, b), _run(g, [table], {}, b))
+  # Gradients with ids inside the table (indexing promises in-bounds ids: past the table its
+  # gradient is undefined, and the row split's clamp sends it to the last row).
+  b = dict(b, i=jnp.array([0, 3, 9, 3, 5], jnp.int32), j=jnp.array([1, 9, 2, 2], jnp.int32))
+  grad = jax.grad(lambda pl: _run(g2, pl, {}, b))(pieces)
+  np.testing.assert_allclose(shard.join_leaves(g2, grad)[0],
+                             jax.grad(lambda t: _run(g, [t], {}, b))(table), rtol=1e-6)
 
 
 def test_leaves_no_rule_applies_to_are_skipped_with_a_reason():
@@ -137,7 +150,7 @@ def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule):
   assert split == (50 * 16 + 16 * 16 + 16 * 50) * 4
   whole = g.total_param_bytes - split  # the biases
   assert max(per_dev) <= split / M + whole + 3 * 16 * 4, per_dev  # one row of imbalance per leaf
-  assert emb.bounds == tuple((d * 50) // M for d in range(M + 1))
+  assert emb.axis == 1 and emb.bounds == tuple((d * 16) // M for d in range(M + 1))
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 

@@ -178,6 +178,36 @@ def lookup_partial(eqn: Any, lo: int, hi: int, rows: int, first: bool):
   return f
 
 
+def row_lookup_whole_rows(eqn: Any, v: Any) -> bool:
+  """Whether a lookup `eqn` of leaf `v` reads whole rows (every axis but 0 in full), so each
+  piece of a split along axis 1 can gather its own slice of every row."""
+  dn = eqn.params["dimension_numbers"]
+  shape = v.aval.shape
+  return (len(shape) >= 2 and tuple(dn.collapsed_slice_dims) == (0,)
+          and tuple(eqn.params["slice_sizes"][1:]) == tuple(shape[1:]))
+
+
+def lookup_columns(eqn: Any, lo: int, hi: int):
+  """A function (piece, indices) -> the gather's result restricted to the row features
+  [lo, hi) (axis 1 of the leaf): the same gather, same index handling, on a piece holding those
+  features of every row."""
+  p = eqn.params
+
+  def f(piece, idx):
+    return lax.gather(
+      piece, idx, dimension_numbers=p["dimension_numbers"],
+      slice_sizes=(1, hi - lo) + tuple(p["slice_sizes"][2:]),
+      indices_are_sorted=p["indices_are_sorted"], unique_indices=p["unique_indices"],
+      mode=p["mode"], fill_value=p["fill_value"])
+
+  return f
+
+
+def lookup_feature_dim(eqn: Any) -> int:
+  """Position, in a whole-row lookup's output, of the leaf's axis 1."""
+  return int(tuple(eqn.params["dimension_numbers"].offset_dims)[0])
+
+
 def split_bounds(size: int, m: int) -> tuple[int, ...]:
   return tuple((d * size) // m for d in range(m + 1))
 
