@@ -90,6 +90,12 @@ def test_ids_outside_the_table_read_what_the_whole_table_reads(tied):
   assert [(s.rule, s.axis) for s in report.shards] == [want]
   pieces = shard.split_leaves(g2, [table])
   assert pieces[0].shape == ((3, 4) if tied else (10, 1))
+  if not tied:  # a plan saved with the row split brings it back
+    rows = dataclasses.replace(report.shards[0], axis=0, bounds=(0, 3, 6, 10))
+    g_rows = shard.apply(g, 3, [rows.to_json()])
+    assert [s.axis for s in g_rows.shards] == [0]
+    np.testing.assert_array_equal(_run(g_rows, shard.split_leaves(g_rows, [table]), {}, b),
+                                  _run(g, [table], {}, b))
   np.testing.assert_array_equal(_run(g2, pieces, {}, b), _run(g, [table], {}, b))
   # Gradients with ids inside the table (indexing promises in-bounds ids: past the table its
   # gradient is undefined, and the row split's clamp sends it to the last row).

@@ -99,8 +99,9 @@ class ShardReport:
 
 
 def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str], path: str,
-                  user_leaf: int) -> tuple[OpGraph, LeafShard] | str:
-  """The graph with one leaf split, or the reason it cannot be."""
+                  user_leaf: int, want_axis: int | None = None) -> tuple[OpGraph, LeafShard] | str:
+  """The graph with one leaf split, or the reason it cannot be. `want_axis`: a lookup-only leaf
+  split along its rows (0) rather than its features (a plan made before the feature split)."""
   owners = [n for n in g.nodes if any(v is leaf_var for e in n.eqns for v in e.invars)]
   if len(owners) != 1:
     return f"read by {len(owners)} nodes"
@@ -125,7 +126,8 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     # its own 1/M of the output, not a full-size output of zeros and its rows).
     if (all(r == "lookup" for r, _ in kinds) and leaf_var.aval.ndim >= 2
         and leaf_var.aval.shape[1] >= devices
-        and all(rules_lib.row_lookup_whole_rows(eqns[i], leaf_var) for i in readers)):
+        and all(rules_lib.row_lookup_whole_rows(eqns[i], leaf_var) for i in readers)
+        and want_axis != 0):
       axis = 1
   else:
     cand = None
@@ -281,11 +283,15 @@ def shard_leaves(
   rules: Sequence[str] = RULES,
   min_fraction: float = SHARD_MIN_FRACTION,
   leaves: Sequence[str] | None = None,
+  axes: Sequence[int] | None = None,
 ) -> tuple[OpGraph, ShardReport]:
   """Offers shard options: every parameter leaf of at least `min_fraction` of the parameter
   bytes (or exactly the leaves whose paths are in `leaves`) that a rule applies to is split into
   `devices` pieces (module docstring). Returns the rewritten graph and a report; with
   `devices` < 2, no rule, or no leaf that qualifies, the graph is returned unchanged.
+
+  `axes` (with `leaves`): the axis a plan split each of those leaves along; a lookup-only leaf
+  given 0 keeps the row split plans saved before the feature split used.
 
   Raises:
     ValueError: an unknown rule, a bad fraction, or a leaf named in `leaves` that cannot be split.
@@ -316,7 +322,10 @@ def shard_leaves(
   paths = list(g.param_paths)
   for i in order:
     v, path = param_vars[i], paths[i]
-    got = _rewrite_leaf(g, v, devices, rules, path, i)
+    want = None
+    if axes is not None and leaves is not None:
+      want = int(axes[list(leaves).index(path)])
+    got = _rewrite_leaf(g, v, devices, rules, path, i, want)
     if isinstance(got, str):
       if leaves is not None:
         raise ValueError(f"cannot shard parameter {path}: {got}")
@@ -334,7 +343,7 @@ def apply(g: OpGraph, devices: int, shards: Sequence[LeafShard | dict]) -> OpGra
   if not shards:
     return g
   shards = [s if isinstance(s, LeafShard) else LeafShard.from_json(s) for s in shards]
-  got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards])
+  got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards], axes=[s.axis for s in shards])
   want = [(s.path, s.axis, tuple(s.bounds)) for s in shards]
   have = [(s.path, s.axis, tuple(s.bounds)) for s in got.shards]
   if want != have:
