@@ -111,7 +111,11 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
   need = report.compiled if report.compiled is not None else report.predicted
   peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
   over = [d for d, b in enumerate(peaks) if b > capacity] or list(range(len(peaks) or 1))
-  return (f"does not fit: model-axis device(s) {', '.join(map(str, over))} need "
+  # The program allocates the same on every device: name devices only when the plan's own
+  # figures single some out.
+  who = ("every model-axis device needs" if len(over) == max(len(peaks), 1) and m > 1 else
+         f"model-axis device(s) {', '.join(map(str, over))} need")
+  return (f"does not fit: {who} "
           f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB"
           + (" (--memory_cap_gib)" if getattr(config, "memory_cap_gib", None) else "")
           + "; try more model devices "
