@@ -27,6 +27,12 @@ if "JAXHYBRID_PROFILE_CACHE" not in os.environ:
     json.dump({"schema": 1, "device_kind": "cpu", "flops": 190e9, "mem_bw": 36.5e9,
                "link_bw": 18.25e9, "t_op": 5.7e-6, "n": 512, "reps": 5, "copy_bytes": 2**25,
                "t_mm": 2 * 512**3 / 190e9, "t_copy": 2**26 / 36.5e9}, f)
+# Likewise the machine calibrations (jaxhybrid.costs.calibration_cache): none is read from, or
+# written to, the user's cache.
+if "JAXHYBRID_CALIBRATION_CACHE" not in os.environ:
+  import tempfile
+
+  os.environ["JAXHYBRID_CALIBRATION_CACHE"] = tempfile.mkdtemp(prefix="jaxhybrid-test-calibration-")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
   _flags = f"{_flags} {COMPILE_FLAGS}"

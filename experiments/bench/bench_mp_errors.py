@@ -1,147 +1,153 @@
-"""bench_mp's figures for one model from its two jobs' JSON: measured speedups and prediction errors.
+"""bench_mp's row for one model from its jobs' JSON, and the row's schema.
 
-`summarise(single, multi)` takes what the `single` role (profiles, plans, the one-device step) and
-the `multi` role (the candidate plans, the baselines) wrote and returns the model's row; it adds
-per-candidate errors to `single["candidates"]` in place. Errors are |predicted - measured| /
-measured.
+`summarise(single, multi, calibration)` takes what the `single` role (profiles, plans, the
+one-device step), the `multi` role (candidate plans and baselines timed in the same processes)
+and the machine's calibration wrote, and returns the model's row. All times are seconds per
+training step (medians over timed steps); every error is signed, (predicted - measured) /
+measured; ratios > 1 favour the plan.
 
-Two one-device references for predicted speedups, both profiled in the single role at the full
-per-worker batch, plus the optimizer update priced per byte (predicted_1dev_update_s):
-- predicted_1dev_s: the node times summed (what the planner's cost model adds up);
-- predicted_1dev_whole_s: the whole forward + backward timed as one compiled function
-  (`ProfiledCostModel.whole_step_time_s`), which includes what XLA fuses across nodes in a plain
-  one-device step (the 8-layer chain: node sum 25-38 % above the plain step, whole within noise).
-plan_step_prediction_error compares the plan's own lock-step price (plan_lockstep_step_s, what
-the planner optimised) with the measured step directly. Fields with the node-sum reference keep
-their names (prediction_error_program, ...
-plan_lockstep_prediction_error); those with the whole-step reference are speedup_prediction_error
-and plan_speedup_prediction_error (each with _mean / _max over every timed candidate).
+The row (experiments/results/bench_mp.json holds one per model):
 
-The fields of a row:
-Figures: step_s_1dev, step_s_plan, measured_speedup = step_s_1dev / step_s_plan, predicted_speedup
-= predicted_1dev_s / the plan's predicted step, both from profiled costs (predicted_1dev_s: the
-graph traced at the full per-worker batch, its node times summed; the plan's own
-`plan_predicted_speedup` is against k micro-batches run on one device, which is slower than one
-full batch on a CPU), prediction_error = |pred - meas| / meas; predicted_program_speedup /
-prediction_error_program: the same with the plan priced as the program runs it (program.lockstep:
-groups in lock step, transfers not overlapped, plus the optimizer update, gradient accumulation and
-zero-fill, timed per byte in the same process), overhead_ratio_vs_jit_dp = step_s_jit_dp /
-step_s_hybrid_2x1, ratio_vs_gspmd_tp = step_s_gspmd_tp / step_s_plan (> 1: the plan wins),
-ratio_vs_fsdp = step_s_fsdp / step_s_plan (FSDP: every leaf sharded over both devices with
-`NamedSharding`, the plan's batch split over them, plain jit; > 1: the plan wins),
-zero1_step_ratio_2x1 = step_s_hybrid_2x1_zero1 / step_s_hybrid_2x1 (the one-device plan on 2x1
-with the optimizer state sharded over 'data', ZeRO 1, against replicated; rotating rounds),
-zero2_step_ratio_2x1 likewise with the gradients sharded too (ZeRO 2).
-Shard or place (--shard_candidate, on): when a leaf is large enough to be offered a split
-(`jaxhybrid.graph.shard`), the graph with shard options is profiled and planned too and that plan
-is timed among the candidates (`sharded: true`); step_s_placement_only (best measured whole-leaf
-candidate), step_s_sharded, sharded_over_placement_only = step_s_sharded / step_s_placement_only,
-planner_keeps_sharded (the planner's choice between the two, `planner.keeps_sharded`, as
-`parallelize` makes it), step_s_planner_pick and planner_pick_measured_speedup (that choice, or
-the best predicted whole-leaf candidate, measured).
-step_prediction_error (per candidate; _mean / _max per model) = |predicted program step - measured
-step| / measured step: the lock-step model's own error, without the 1-device side;
-plan_lockstep_prediction_error (_mean / _max): the plan's own lock-step price
-(plan_lockstep_step_s) as a speedup over the full-batch 1-device prediction, against measured;
-predicted_1dev_error = (predicted_1dev_s + predicted_1dev_update_s - step_s_1dev) / step_s_1dev.
-step_s_1dev_paired: plain jit on one device timed by the two-process job just before and after the
-candidate plans (mean; one process per core), in the same minutes as step_s_plan;
-measured_speedup_paired = step_s_1dev_paired / step_s_plan, and prediction_error_program_paired
-(_mean / _max), predicted_1dev_error_paired against it (step_s_1dev is from minutes earlier; here a
-step drifts 15-25 % between runs). The same speedups against a second one-device reference,
-predicted_1dev_whole_s (the whole forward + backward profiled as one compiled function, which sees
-what XLA fuses across nodes in a plain step; node sums miss it, the chain's by 25-38 %):
-speedup_prediction_error (lock-step program price), plan_speedup_prediction_error (the plan's own
-price), each _mean / _max and _paired, predicted_1dev_whole_error; plan_step_prediction_error:
-the plan's own lock-step price against the measured step. With --compare_unpacked: step_s_plan_unpacked (every transfer
-its own ppermute) and packing_speedup = step_s_plan_unpacked / step_s_plan, from the same run. Step
-times are medians over --steps timed steps after --warmup steps.
+- `model`, `size`, `schedule`, `batch` (per worker), `microbatches`, `nodes`, `program` (the
+  commit measured).
+- `calibration`: where the machine's figures came from (`source`: 'measured' in this run or
+  'cache'), `values` (link latency and bandwidth, per-byte update, addition and fill times) and
+  `measured_at`.
+- `one_device`: the model's plain `jax.jit` step on one pinned core. `measured_step_s` timed
+  alone; `measured_step_s_same_rounds` timed by both processes at once in the rounds that time
+  the candidates (both cores busy, as under a plan, and in the same minutes: steps here drift
+  15-25 % between minutes). `predicted_step_s`: the profiled node times summed plus the
+  optimizer update, the cost model every candidate's price is built from; `error` against the
+  alone figure (`error_same_rounds` against the other); `predicted_step_s_whole` / `error_whole`:
+  the whole forward + backward profiled as one compiled function plus the update, which sees
+  what XLA fuses across nodes (the 8-layer chain's node sum is 25-38 % above its plain step).
+- `candidates`: every plan timed on mesh 1x2, best predicted first: `plan_id` (its file in the
+  workdir), `method`, `sharded` (made on the graph with shard options), `schedule`, `k`,
+  `groups`, `transfers`, `predicted_step_s` (the lock-step price of the program that runs:
+  groups, messages, group-output fills, optimizer update and gradient passes;
+  `jaxhybrid.program.lockstep.plan_step_s`) and its `predicted_parts_s` (`tasks`: the busiest
+  device's tasks summed over groups, `transfers`, `update_and_gradient_passes`, `fills`),
+  `measured_step_s`, `error`.
+- `chosen_candidate`: index of the fastest measured candidate, the run's plan; `step_s_plan`.
+- `measured_speedup` = one_device.measured_step_s / step_s_plan;
+  `measured_speedup_same_rounds` with the same-rounds one-device step; `predicted_speedup` =
+  one_device.predicted_step_s / the chosen candidate's predicted_step_s.
+- `step_error_mean`, `step_error_max`: mean and max |error| over every timed candidate;
+  `rank_correlation`: Spearman's rho of predicted against measured steps over the candidates
+  (null below 3 candidates).
+- `baselines`: steps of what a user would otherwise run. On the two devices with the plan's
+  batch: `fsdp` (every leaf and the batch sharded over both devices with `NamedSharding`, plain
+  jit), `gspmd_tp` (mesh 1x2, each weight sharded over 'model' on its largest divisible
+  dimension). On mesh 2x1 with twice
+  the batch: `jit_dp` (XLA's per-leaf all-reduces), `dp_bucketed` (one flat all-reduce),
+  `hybrid_2x1` (the one-device plan as the hybrid program), `hybrid_2x1_zero1` and `_zero2`
+  (optimizer state, and gradients too, sharded over 'data').
+- `ratio_vs_fsdp` = baselines.fsdp / step_s_plan, `ratio_vs_gspmd_tp` likewise;
+  `ratio_vs_dp_bucketed` = baselines.dp_bucketed / baselines.hybrid_2x1 (same mesh and batch);
+  `zero1_step_ratio_2x1`, `zero2_step_ratio_2x1` = hybrid_2x1_zero{1,2} / hybrid_2x1.
+- Shard or place (when the graph has leaves to split): `sharded_over_placement_only` (the
+  sharded candidate's step over the best placement-only one), `planner_keeps_sharded` (the
+  choice `parallelize` makes between them, `planner.keeps_sharded`), `planner_pick_measured_speedup`.
+- `plan`: the planner's `plan_status`, `plan_gap`, `plan_time_s` (profiling + placement),
+  `place_s`.
+- With --compare_unpacked: `step_s_plan_unpacked` (every transfer its own ppermute) and
+  `packing_speedup` = step_s_plan_unpacked / step_s_plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 
 def err(predicted: float, measured: float) -> float:
-  return abs(predicted - measured) / measured
+  """Signed relative error, (predicted - measured) / measured."""
+  return (predicted - measured) / measured
 
 
-def _mean_max(rows: list[dict], key: str) -> dict[str, float]:
-  vals = [r[key] for r in rows]
-  if not vals or None in vals:
-    return {}
-  return {f"{key}_mean": sum(vals) / len(vals), f"{key}_max": max(vals)}
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+  """Spearman's rank correlation (ties get their mean rank); None below 3 pairs or when either
+  side is constant."""
+  if len(xs) != len(ys) or len(xs) < 3:
+    return None
+
+  def ranks(v):
+    v = np.asarray(v, dtype=float)
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=float)
+    for val in np.unique(v):  # ties: their mean rank
+      tie = v == val
+      r[tie] = r[tie].mean()
+    return r
+
+  rx, ry = ranks(xs), ranks(ys)
+  if rx.std() == 0 or ry.std() == 0:
+    return None
+  return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def summarise(single: dict[str, Any], multi: dict[str, Any]) -> dict[str, Any]:
-  """The model's figures (defined in this module's docstring); updates single['candidates'] in place."""
-  t1, t1_paired = single["step_s_1dev"], multi["step_s_1dev_paired"]
-  update_s = single["predicted_1dev_update_s"]
-  full_1dev_s = single["predicted_1dev_s"] + update_s
-  whole = single.get("predicted_1dev_whole_s")  # absent in runs before it existed
-  whole_1dev_s = None if whole is None else whole + update_s
-  cands = single["candidates"]
-  for c, step_s in zip(cands, multi["candidate_step_s"]):
-    c["step_s_plan"] = step_s
-    c["prediction_error_program"] = err(c["predicted_program_speedup"], t1 / step_s)
-    # The lock-step model's own error: its predicted program step against the measured one
-    # (the speedup errors also carry the error of predicting plain jit on one device).
-    c["step_prediction_error"] = err(c["predicted_program_step_s"], step_s)
-    c["prediction_error_program_paired"] = err(c["predicted_program_speedup"], t1_paired / step_s)
-    # The plan's own lock-step price as a speedup over the full-batch one-device prediction
-    # (Plan.single_device_s is the k micro-batches one after another), against measured.
-    lock = c.get("plan_lockstep_step_s")
-    c["plan_lockstep_prediction_error"] = err(full_1dev_s / lock, t1 / step_s) if lock else None
-    # The plan's own lock-step price against the measured step (no one-device side; the plan's
-    # price leaves out the per-byte passes that the program's price adds, e.g. the update).
-    c["plan_step_prediction_error"] = err(lock, step_s) if lock else None
-    if whole_1dev_s is not None:
-      c["predicted_program_speedup_whole"] = whole_1dev_s / c["predicted_program_step_s"]
-      c["speedup_prediction_error"] = err(c["predicted_program_speedup_whole"], t1 / step_s)
-      c["speedup_prediction_error_paired"] = err(c["predicted_program_speedup_whole"], t1_paired / step_s)
-      c["plan_speedup_prediction_error"] = err(whole_1dev_s / lock, t1 / step_s) if lock else None
-  run = cands[multi["chosen_candidate"]]
-  meas = t1 / multi["step_s_plan"]
-  first = next(c for c in cands if c["lockstep_rank"] == 0)
-  row = {
-    **single, **run, **multi,
-    "measured_speedup": meas,
-    "measured_speedup_paired": t1_paired / multi["step_s_plan"],
-    "prediction_error": err(run["predicted_speedup"], meas),
-    "prediction_error_program": err(run["predicted_program_speedup"], meas),
-    "overhead_ratio_vs_jit_dp": multi["step_s_jit_dp"] / multi["step_s_hybrid_2x1"],
-    "ratio_vs_gspmd_tp": multi["step_s_gspmd_tp"] / multi["step_s_plan"],
-    "ratio_vs_fsdp": (multi["step_s_fsdp"] / multi["step_s_plan"]) if "step_s_fsdp" in multi else None,
-    "predicted_1dev_error_paired": (full_1dev_s - t1_paired) / t1_paired,
-    "predicted_1dev_error": (full_1dev_s - t1) / t1,
-    "first_pick_method": first["plan_method"],
-    "first_pick_measured_speedup": t1 / first["step_s_plan"],
-    "first_pick_prediction_error": first["prediction_error_program"],
-    "ratio_vs_dp_bucketed": multi["step_s_dp_bucketed"] / multi["step_s_hybrid_2x1"],
+def summarise(single: dict[str, Any], multi: dict[str, Any],
+              calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The model's row (the schema in this module's docstring)."""
+  t1, t1_rounds = single["step_s_1dev"], multi["step_s_1dev_paired"]
+  pred_1dev = single["predicted_1dev_s"] + single["predicted_1dev_update_s"]
+  cands = []
+  for c, step_s in zip(single["candidates"], multi["candidate_step_s"]):
+    cands.append({**c, "measured_step_s": step_s, "error": err(c["predicted_step_s"], step_s)})
+  chosen = multi["chosen_candidate"]
+  step_plan = multi["step_s_plan"]
+  errors = [abs(c["error"]) for c in cands]
+  base = {
+    "fsdp": multi.get("step_s_fsdp"), "gspmd_tp": multi["step_s_gspmd_tp"],
+    "jit_dp": multi["step_s_jit_dp"], "dp_bucketed": multi["step_s_dp_bucketed"],
+    "hybrid_2x1": multi["step_s_hybrid_2x1"],
+    **{f"hybrid_2x1_zero{z}": multi[f"step_s_hybrid_2x1_zero{z}"] for z in (1, 2)
+       if f"step_s_hybrid_2x1_zero{z}" in multi},
   }
+  row: dict[str, Any] = {
+    "batch": single["batch"], "microbatches": single["microbatches"], "nodes": single["nodes"],
+    "one_device": {
+      "predicted_step_s": pred_1dev, "measured_step_s": t1,
+      "measured_step_s_same_rounds": t1_rounds, "error": err(pred_1dev, t1),
+      "error_same_rounds": err(pred_1dev, t1_rounds),
+    },
+    "candidates": cands, "chosen_candidate": chosen, "step_s_plan": step_plan,
+    "measured_speedup": t1 / step_plan, "measured_speedup_same_rounds": t1_rounds / step_plan,
+    "predicted_speedup": pred_1dev / cands[chosen]["predicted_step_s"],
+    "step_error_mean": float(np.mean(errors)), "step_error_max": float(np.max(errors)),
+    "rank_correlation": spearman([c["predicted_step_s"] for c in cands],
+                                 [c["measured_step_s"] for c in cands]),
+    "baselines": base,
+    "ratio_vs_fsdp": base["fsdp"] / step_plan if base["fsdp"] else None,
+    "ratio_vs_gspmd_tp": base["gspmd_tp"] / step_plan,
+    "ratio_vs_dp_bucketed": base["dp_bucketed"] / base["hybrid_2x1"],
+    **{f"zero{z}_step_ratio_2x1": base[f"hybrid_2x1_zero{z}"] / base["hybrid_2x1"] for z in (1, 2)
+       if f"hybrid_2x1_zero{z}" in base},
+    "plan": {k: single.get(k) for k in ("plan_status", "plan_gap", "plan_time_s", "place_s")},
+  }
+  if single.get("predicted_1dev_whole_s") is not None:
+    whole_s = single["predicted_1dev_whole_s"] + single["predicted_1dev_update_s"]
+    row["one_device"].update(predicted_step_s_whole=whole_s, error_whole=err(whole_s, t1))
+  if "step_s_plan_unpacked" in multi:
+    row["step_s_plan_unpacked"] = multi["step_s_plan_unpacked"]
+    row["packing_speedup"] = multi["step_s_plan_unpacked"] / step_plan
+  if calibration is not None:
+    row["calibration"] = {"source": calibration.get("source"), "values": calibration["values"],
+                          "measured_at": calibration.get("provenance", {}).get("measured_at")}
   # Shard or place, measured in the same rounds: the best placement-only candidate, the plan
   # with shard options, and the one of the two the planner keeps (`planner.keeps_sharded`).
-  whole_s = [c["step_s_plan"] for c in cands if not c.get("sharded")]
-  sharded_s = [c["step_s_plan"] for c in cands if c.get("sharded")]
-  if whole_s and sharded_s:
-    row["step_s_placement_only"], row["step_s_sharded"] = min(whole_s), min(sharded_s)
-    row["sharded_over_placement_only"] = min(sharded_s) / min(whole_s)
+  whole = [c for c in cands if not c.get("sharded")]
+  sharded = [c for c in cands if c.get("sharded")]
+  if whole and sharded:
+    row["sharded_over_placement_only"] = (min(c["measured_step_s"] for c in sharded)
+                                          / min(c["measured_step_s"] for c in whole))
     if "planner_keeps_sharded" in single:
-      first_whole = min((c for c in cands if not c.get("sharded")),
-                        key=lambda c: c["lockstep_rank"])  # the best predicted placement
-      picked = (min(sharded_s) if single["planner_keeps_sharded"] else first_whole["step_s_plan"])
-      row["step_s_planner_pick"] = picked
+      keeps = bool(single["planner_keeps_sharded"])
+      first_whole = min(whole, key=lambda c: c["predicted_rank"])  # the best predicted placement
+      picked = min(c["measured_step_s"] for c in sharded) if keeps else first_whole["measured_step_s"]
+      row["planner_keeps_sharded"] = keeps
       row["planner_pick_measured_speedup"] = t1 / picked
-  for key in ("prediction_error_program", "step_prediction_error", "prediction_error_program_paired",
-              "plan_lockstep_prediction_error", "plan_step_prediction_error"):
-    row.update(_mean_max(cands, key))
-  if whole_1dev_s is not None:
-    row["predicted_1dev_whole_error"] = (whole_1dev_s - t1) / t1
-    row["predicted_1dev_whole_error_paired"] = (whole_1dev_s - t1_paired) / t1_paired
-    row["first_pick_speedup_prediction_error"] = first["speedup_prediction_error"]
-    for key in ("speedup_prediction_error", "speedup_prediction_error_paired", "plan_speedup_prediction_error"):
-      row.update(_mean_max(cands, key))
-  if "step_s_plan_unpacked" in multi:
-    row["packing_speedup"] = multi["step_s_plan_unpacked"] / multi["step_s_plan"]
   return row

@@ -58,6 +58,11 @@ flags.DEFINE_integer("lane_min_bytes", -1, "Values of at least this many bytes l
                      "a buffer of their own (-1: lockstep_rule.LANE_MIN_BYTES).")
 flags.DEFINE_integer("group_grad_bytes", -1, "Most gradient bytes per device in one group "
                      "(-1: lockstep_rule.GROUP_GRAD_BYTES).")
+flags.DEFINE_string("calibration_cache", "", "Where this machine's calibration (link latency "
+                    "and bandwidth, per-byte update, addition and fill times) is cached ('': "
+                    "jaxhybrid.costs.calibration_cache's default directory; 'off': measure it "
+                    "afresh and keep nothing).")
+flags.DEFINE_boolean("recalibrate", False, "Measure the calibration again and replace the cached one.")
 flags.DEFINE_string("out", "", "Write the JSON results here.")
 flags.DEFINE_boolean("update", False, "Keep the rows of other models already in --out and replace "
                      "only those of the models this run measures; each row records the commit of "

@@ -34,10 +34,12 @@ def _x(x: float | None) -> str:
   return "n/a" if x is None else f"{x:.2f}x"
 
 
-def _per_row(name: str, columns: list[tuple[str, Any]]) -> str:
-  """A table with one row per entry of results file `name`: (header, entry -> cell) columns."""
+def _per_row(name: str, columns: list[tuple[str, Any]], keep=lambda r: True) -> str:
+  """A table with one row per entry of results file `name` that `keep` accepts: (header,
+  entry -> cell) columns."""
   rows = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
-  rows += ["| " + " | ".join(str(cell(r)) for _, cell in columns) + " |" for r in _load(name)]
+  rows += ["| " + " | ".join(str(cell(r)) for _, cell in columns) + " |"
+           for r in _load(name) if keep(r)]
   return "\n".join(rows) + f"\n\nSource: `experiments/results/{name}`."
 
 
@@ -46,19 +48,26 @@ _SETUP = [("model", lambda r: r["model"]), ("M", lambda r: r["devices"]),
 
 
 def bench_mp(name: str = "bench_mp.json") -> str:
-  """Measured 2-way speedup on two pinned one-core processes, per model."""
+  """Measured 2-way speedup on two pinned one-core processes, per model, and how well every timed
+  candidate's step was predicted (bench_mp_errors.py defines each field)."""
   return _per_row(name, [
-    ("model", lambda r: r["model"]), ("one device (s)", lambda r: f"{r['step_s_1dev']:.3f}"),
+    ("model", lambda r: r["model"]),
+    ("one device (s)", lambda r: f"{r['one_device']['measured_step_s']:.3f}"),
     ("plan speedup", lambda r: _x(r.get("measured_speedup"))),
-    ("same rounds", lambda r: _x(r.get("measured_speedup_paired"))),
+    ("same rounds", lambda r: _x(r.get("measured_speedup_same_rounds"))),
     ("vs DP bucketed", lambda r: _x(r.get("ratio_vs_dp_bucketed"))),
     ("vs GSPMD TP", lambda r: _x(r.get("ratio_vs_gspmd_tp"))),
     ("vs FSDP", lambda r: _x(r.get("ratio_vs_fsdp"))),
-    ("step error (mean)", lambda r: _pct(r.get("step_prediction_error_mean"))),
+    ("candidates", lambda r: len(r["candidates"])),
+    ("step error mean / max", lambda r: f"{_pct(r['step_error_mean'])} / {_pct(r['step_error_max'])}"),
+    ("rank corr.", lambda r: "n/a" if r.get("rank_correlation") is None
+     else f"{r['rank_correlation']:.2f}"),
+    ("one-device error", lambda r: _pct(r["one_device"]["error"])),
     ("2x1 step, ZeRO 1 over 0", lambda r: _x(r.get("zero1_step_ratio_2x1"))),
     ("2x1 step, ZeRO 2 over 0", lambda r: _x(r.get("zero2_step_ratio_2x1"))),
+    ("calibration", lambda r: r.get("calibration", {}).get("source", "-")),
     ("program", lambda r: r.get("program") or "earlier run"),
-  ])
+  ], keep=lambda r: "one_device" in r)  # skipped models have no figures
 
 
 def bench_memory() -> str:
@@ -107,21 +116,28 @@ def _source(name: str) -> str:
 
 def headline() -> str:
   """The README's table: one figure per benchmark, its results file and the command."""
-  mp = {r["model"]: r for r in _load("bench_mp.json")}
+  mp = {r["model"]: r for r in _load("bench_mp.json") if "one_device" in r}
   mem = _load("bench_memory.json")["summary"]
   fbw = _load("bench_planner_fbw.json")
   rows = ["| what | figure | file | command |", "|---|---|---|---|"]
   for m in ("inception_v3", "gnmt", "biglstm"):
     if m in mp:
       rows.append(f"| 2-way MP speedup over one device timed in the same rounds, {m} small "
-                  f"(2 pinned CPU cores) | {_x(mp[m]['measured_speedup_paired'])} | "
+                  f"(2 pinned CPU cores) | {_x(mp[m]['measured_speedup_same_rounds'])} | "
+                  f"{_source('bench_mp.json')} |")
+  for m in ("inception_v3", "gnmt", "biglstm"):
+    if m in mp:
+      rows.append(f"| predicted vs measured step, mean over the {len(mp[m]['candidates'])} plans "
+                  f"timed, {m} small | {_pct(mp[m]['step_error_mean'])} | "
                   f"{_source('bench_mp.json')} |")
   for m in ("inception_v3", "gnmt", "biglstm"):
     if mp.get(m, {}).get("ratio_vs_fsdp"):
       rows.append(f"| 2-way plan's speed over FSDP's on the same 2 cores, {m} small | "
                   f"{_x(mp[m]['ratio_vs_fsdp'])} | {_source('bench_mp.json')} |")
   for key, what in (("chain_1x8_over_1x1", "uniform chain, memory per device 1x8 over 1x1"),
-                    ("biglstm:paper_1x8_over_fsdp", "paper BigLSTM 1x8, memory over FSDP's"),
+                    ("biglstm:paper@planner_1x8_over_fsdp",
+                     "paper BigLSTM 1x8, the plan `parallelize` makes under the 16 GiB cap, "
+                     "memory over FSDP's"),
                     ("chain_1x4_1f1b_temp_k16_over_k4_fixed_microbatch",
                      "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)"),
                     ("biglstm:paper_16x2_zero1_over_zero0",

@@ -2,7 +2,8 @@
 
 Owns the cost models (`cost_model`: analytic roofline or profiled per node, cached on disk), the
 link models and alpha-beta formulas (`links`), hardware specs with their sources (`hardware`),
-and measurements on the current backend that fit or check them (`calibrate`).
+and measurements on the current backend that fit or check them (`calibrate`), cached per
+machine with their provenance (`calibration_cache`).
 
 May import: `jaxhybrid.graph`, `jaxhybrid.mesh`; never the program, training or projection.
 """
