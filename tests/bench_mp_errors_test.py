@@ -93,12 +93,11 @@ def test_spearman_ranks_with_ties(be):
   assert be.spearman([1, 1, 1], [1, 2, 3]) is None  # a constant side has no ranking
 
 
-def test_two_runs_compared_figure_by_figure():
-  repro = experiment_module("bench_mp_repro")
+def test_two_runs_compared_figure_by_figure(be):
   first = [{"model": "a", "measured_speedup": 1.5, "step_s_plan": 0.4, "calibration": {"source": "measured"}},
            {"model": "b", "skipped": "budget"}]
   second = [{"model": "a", "measured_speedup": 1.35, "step_s_plan": 0.42, "calibration": {"source": "cache"}}]
-  out = repro.compare(first, second)
+  out = be.compare(first, second)
   a = out["models"]["a"]
   assert a["figures"]["measured_speedup"]["difference"] == pytest.approx(-0.1)
   assert a["figures"]["step_s_plan"]["difference"] == pytest.approx(0.05)

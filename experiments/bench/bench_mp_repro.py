@@ -18,40 +18,12 @@ import json
 import sys
 
 from absl import app, flags
+from bench_mp_errors import compare  # experiments/bench/ (the script's folder)
 
 flags.DEFINE_string("first", None, "bench_mp results of the first run.")
 flags.DEFINE_string("second", None, "bench_mp results of the second run.")
 flags.DEFINE_string("out", "", "Write the comparison (JSON) here.")
 FLAGS = flags.FLAGS
-
-# The figures compared: the speedups, the baseline ratios and the chosen plan's step (ratios and
-# times; an error is compared by its two values, not by a relative difference of errors).
-FIGURES = ("measured_speedup", "measured_speedup_same_rounds", "step_s_plan", "ratio_vs_fsdp",
-           "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp")
-
-
-def compare(first: list[dict], second: list[dict]) -> dict:
-  """The comparison of two bench_mp result lists (rows without a figure are skipped for it)."""
-  a = {r["model"]: r for r in first if "skipped" not in r}
-  b = {r["model"]: r for r in second if "skipped" not in r}
-  models = {}
-  for m in [m for m in a if m in b]:
-    figs = {}
-    for f in FIGURES:
-      x, y = a[m].get(f), b[m].get(f)
-      if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x:
-        figs[f] = {"first": x, "second": y, "difference": (y - x) / x}
-    models[m] = {
-      "figures": figs,
-      "step_error_mean": [r[m].get("step_error_mean") for r in (a, b)],
-      "chosen_plan_groups": [r[m]["candidates"][r[m]["chosen_candidate"]].get("groups")
-                             if "candidates" in r[m] else None for r in (a, b)],
-      "calibration": [r[m].get("calibration", {}).get("source") for r in (a, b)],
-      "max_abs_difference": max((abs(v["difference"]) for v in figs.values()), default=None),
-    }
-  worst = [v["max_abs_difference"] for v in models.values() if v["max_abs_difference"] is not None]
-  return {"models": models, "max_abs_difference": max(worst, default=None)}
-
 
 def main(argv):
   del argv
