@@ -30,8 +30,9 @@ Results are written after each model; --budget_s bounds the whole run (models le
 spent, or whose job fails or runs past it, are listed as skipped with the reason). Quick models run
 first (Inception-V3 compiles for minutes per candidate).
 The calibration (link latency and bandwidth, per-byte update, addition and fill times) is
-measured once per machine and setup and cached (jaxhybrid.costs.calibration_cache;
---calibration_cache, --recalibrate); the row says whether this run measured it or read it.
+measured once per machine and setup and cached (bench_mp_calibration.py,
+jaxhybrid.costs.calibration_cache; --calibration_cache, --recalibrate); the row says whether this
+run measured it or read it.
 The result rows' schema (every field and its definition): bench_mp_errors.py's docstring. Step
 times are medians over --steps timed steps after --warmup steps.
 """
@@ -55,6 +56,7 @@ if __name__ == "__main__" and "--role=" in " ".join(sys.argv) and "--role=driver
   localcluster.worker_setup()
 
 import bench_baselines  # experiments/bench/ (the script's folder)
+import bench_mp_calibration as calib
 import bench_mp_errors
 import bench_mp_flags  # noqa: F401  (defines the flags)
 import chain_model
@@ -108,87 +110,6 @@ def _model(name):
 
 # ---- worker roles -----------------------------------------------------------------------------
 
-def role_calibrate(work: pathlib.Path) -> None:
-  """Both processes: the link between them, then the per-byte passes timed on both cores at once
-  (as the program's devices update together); rank 0 writes what it measured."""
-  import jax
-  import optax
-
-  from jaxhybrid.costs import calibrate
-  from jaxhybrid.program import localcluster, lockstep
-
-  localcluster.worker_init()
-  link = calibrate.calibrate_link(jax.devices())
-  pc = lockstep.measure_pass_costs(optax.adam(1e-4))
-  if jax.process_index() == 0:
-    (work / "calibration_measured.json").write_text(json.dumps({
-      "link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
-      "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
-      "fill_s_per_byte": pc.fill_s_per_byte}))
-
-
-# How bench_mp's calibration is measured: part of its cache key, so a different setup on the same
-# machine (or a changed measurement: bump `version`) measures its own. The workers' malloc
-# setting (localcluster's huge pages: it moves the per-byte passes through page faults) is added
-# to it.
-CALIBRATION_SETUP = {"bench": "bench_mp", "version": 1, "processes": 2,
-                     "pinning": "one core per process", "collectives": "gloo", "backend": "cpu",
-                     "optimizer": "adam(1e-4)", "pass_bytes": 32 << 20,
-                     "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def calibrate_machine(work: pathlib.Path, t_start: float) -> dict:
-  """This machine's calibration: the cached one, or measured by the `calibrate` role and cached.
-  Writes work/calibration.json (the entry and where it came from) and work/link.json."""
-  from jaxhybrid.costs import calibration_cache
-  from jaxhybrid.program import localcluster
-
-  off = FLAGS.calibration_cache == "off"
-  setup = {**CALIBRATION_SETUP, "glibc_tunables": localcluster.with_malloc_hugepages(
-    dict(os.environ)).get("GLIBC_TUNABLES", "")}
-  cache = calibration_cache.CalibrationCache(None if off or not FLAGS.calibration_cache
-                                             else FLAGS.calibration_cache,
-                                             calibration_cache.machine_fields(backend=False))
-  entry = None if off or FLAGS.recalibrate else cache.load("bench_mp", setup)
-  source = "cache"
-  if entry is None:
-    logging.info("calibrating the link and the per-byte passes on two one-core processes")
-    localcluster.launch(_worker_argv("calibrate"), 2, timeout_s=_job_s(t_start))
-    values = json.loads((work / "calibration_measured.json").read_text())
-    how = ("ring ppermute of 1 KiB-4 MiB fitted alpha + n / bandwidth; adam update, addition "
-           "and fill of a 32 MiB float32 buffer, both processes at once")
-    entry = {"values": values, "provenance": {"how": how}} if off else cache.store(
-      "bench_mp", values, setup, how)
-    source = "measured"
-  out = {"source": source, "path": None if off else str(cache.path("bench_mp", setup)),
-         **entry}
-  (work / "calibration.json").write_text(json.dumps(out))
-  v = entry["values"]
-  (work / "link.json").write_text(json.dumps({"alpha_s": v["link_alpha_s"],
-                                              "bandwidth": v["link_bandwidth_bytes_s"]}))
-  return out
-
-
-def _calibration(work):
-  return json.loads((work / "calibration.json").read_text())
-
-
-def _link(work):
-  from jaxhybrid import costs
-
-  v = _calibration(work)["values"]
-  return costs.Link(alpha_s=v["link_alpha_s"], bandwidth_bytes_s=v["link_bandwidth_bytes_s"],
-                    source="calibrated ppermute, one-core processes")
-
-
-def _pass_costs(work):
-  from jaxhybrid.program import lockstep
-
-  v = _calibration(work)["values"]
-  return lockstep.PassCosts(update_s_per_byte=v["update_s_per_byte"],
-                            add_s_per_byte=v["add_s_per_byte"], fill_s_per_byte=v["fill_s_per_byte"])
-
-
 def _load_rows(b: int, k: int) -> int:
   return b // k if FLAGS.load_microbatch else b
 
@@ -229,7 +150,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
-  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
+  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
                                min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
                                flush_bytes=FLAGS.profile_flush_bytes)
   t0 = time.perf_counter()
@@ -244,7 +165,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   # Its per-step memory passes (optimizer update, gradient accumulation, the conditionals'
   # zero-fill) are priced from this machine's calibration (CALIBRATION_SETUP's optimizer).
   opt = optax.adam(1e-4)
-  pc = _pass_costs(work)
+  pc = calib.pass_costs(work)
   cands, methods = [plan], [FLAGS.planner]
   if FLAGS.choose_lockstep:
     # The program runs in lock step: weigh the planner's plan against the pipeline heuristics'
@@ -262,7 +183,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     g_sh, _ = shard_lib.shard_leaves(g, 2)
     if g_sh.shards:
       cm_sh = costs.ProfiledCostModel(
-        g_sh, cache_dir=work / "profiles", link=_link(work), warmup_s=FLAGS.profile_warmup_s,
+        g_sh, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
         min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
         tasks=FLAGS.task_profiles, flush_bytes=FLAGS.profile_flush_bytes)
       cm_sh.profile_all()
@@ -304,7 +225,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     })
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
-  cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=_link(work),
+  cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=calib.link(work),
                                     warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s,
                                     flush_bytes=FLAGS.profile_flush_bytes)
   full_1dev_s = cm_full.step_time_s(g_full)
@@ -461,7 +382,9 @@ def driver() -> list[dict]:
     # Node profiles of an earlier run were measured under that run's load; re-measure.
     shutil.rmtree(work / "profiles")
   t_start = time.perf_counter()
-  calibrate_machine(work, t_start)
+  calib.calibrate_machine(
+    work, FLAGS.calibration_cache, FLAGS.recalibrate,
+    lambda: localcluster.launch(_worker_argv("calibrate"), 2, timeout_s=_job_s(t_start)))
   cases = []
   for name in FLAGS.models:
     why = None
@@ -487,7 +410,7 @@ def driver() -> list[dict]:
     single = json.loads((work / f"single_{name}.json").read_text())
     multi = json.loads((work / f"multi_{name}.json").read_text())
     cases.append({"model": name, "size": FLAGS.size, "schedule": FLAGS.schedule,
-                  **bench_mp_errors.summarise(single, multi, _calibration(work))})
+                  **bench_mp_errors.summarise(single, multi, calib.calibration(work))})
     _write(cases)
   return cases
 
@@ -523,7 +446,7 @@ def main(argv):
   if FLAGS.group_grad_bytes >= 0:
     lockstep_rule.GROUP_GRAD_BYTES = FLAGS.group_grad_bytes
   if FLAGS.role == "calibrate":
-    return role_calibrate(work)
+    return calib.role_calibrate(work)
   if FLAGS.role == "single":
     return role_single(work, FLAGS.model)
   if FLAGS.role == "multi":

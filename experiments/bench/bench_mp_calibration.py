@@ -1,0 +1,95 @@
+"""bench_mp's calibration: the link between two pinned one-core processes (latency, bandwidth)
+and the per-byte update, addition and fill times, measured once per machine and setup and cached
+(`jaxhybrid.costs.calibration_cache`), then read by every model's jobs from the workdir."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+from absl import logging
+
+
+def role_calibrate(work: pathlib.Path) -> None:
+  """Both processes: the link between them, then the per-byte passes timed on both cores at once
+  (as the program's devices update together); rank 0 writes what it measured."""
+  import jax
+  import optax
+
+  from jaxhybrid.costs import calibrate
+  from jaxhybrid.program import localcluster, lockstep
+
+  localcluster.worker_init()
+  link = calibrate.calibrate_link(jax.devices())
+  pc = lockstep.measure_pass_costs(optax.adam(1e-4))
+  if jax.process_index() == 0:
+    (work / "calibration_measured.json").write_text(json.dumps({
+      "link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
+      "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
+      "fill_s_per_byte": pc.fill_s_per_byte}))
+
+
+# How bench_mp's calibration is measured: part of its cache key, so a different setup on the same
+# machine (or a changed measurement: bump `version`) measures its own. The workers' malloc
+# setting (localcluster's huge pages: it moves the per-byte passes through page faults) is added
+# to it.
+CALIBRATION_SETUP = {"bench": "bench_mp", "version": 1, "processes": 2,
+                     "pinning": "one core per process", "collectives": "gloo", "backend": "cpu",
+                     "optimizer": "adam(1e-4)", "pass_bytes": 32 << 20,
+                     "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
+                      launch: Callable[[], None]) -> dict:
+  """This machine's calibration: the cached one, or measured by `launch()` (bench_mp's
+  `calibrate` role in two pinned processes) and cached. `cache_dir`: '' the default directory,
+  'off' none. Writes work/calibration.json (the entry and where it came from) and
+  work/link.json."""
+  from jaxhybrid.costs import calibration_cache
+  from jaxhybrid.program import localcluster
+
+  off = cache_dir == "off"
+  setup = {**CALIBRATION_SETUP, "glibc_tunables": localcluster.with_malloc_hugepages(
+    dict(os.environ)).get("GLIBC_TUNABLES", "")}
+  cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
+                                             calibration_cache.machine_fields(backend=False))
+  entry = None if off or recalibrate else cache.load("bench_mp", setup)
+  source = "cache"
+  if entry is None:
+    logging.info("calibrating the link and the per-byte passes on two one-core processes")
+    launch()
+    values = json.loads((work / "calibration_measured.json").read_text())
+    how = ("ring ppermute of 1 KiB-4 MiB fitted alpha + n / bandwidth; adam update, addition "
+           "and fill of a 32 MiB float32 buffer, both processes at once")
+    entry = {"values": values, "provenance": {"how": how}} if off else cache.store(
+      "bench_mp", values, setup, how)
+    source = "measured"
+  out = {"source": source, "path": None if off else str(cache.path("bench_mp", setup)),
+         **entry}
+  (work / "calibration.json").write_text(json.dumps(out))
+  v = entry["values"]
+  (work / "link.json").write_text(json.dumps({"alpha_s": v["link_alpha_s"],
+                                              "bandwidth": v["link_bandwidth_bytes_s"]}))
+  return out
+
+
+def calibration(work: pathlib.Path) -> dict:
+  return json.loads((work / "calibration.json").read_text())
+
+
+def link(work: pathlib.Path):
+  from jaxhybrid import costs
+
+  v = calibration(work)["values"]
+  return costs.Link(alpha_s=v["link_alpha_s"], bandwidth_bytes_s=v["link_bandwidth_bytes_s"],
+                    source="calibrated ppermute, one-core processes")
+
+
+def pass_costs(work: pathlib.Path):
+  from jaxhybrid.program import lockstep
+
+  v = calibration(work)["values"]
+  return lockstep.PassCosts(update_s_per_byte=v["update_s_per_byte"],
+                            add_s_per_byte=v["add_s_per_byte"], fill_s_per_byte=v["fill_s_per_byte"])
