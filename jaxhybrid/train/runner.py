@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 DEFAULT_OPTIMIZER = "adam"
 # ZeRO stage of the main job (see RunConfig.zero). Stage 1 divides the rows' optimizer state by
 # the data width (paper BigLSTM 16x2: 0.78x the memory per device, paper GNMT 8x2: 0.91x;
-# bench_memory.json), stage 2 the gradient rows too (0.57x, 0.87x), but their steps were
-# 4-28 % (stage 1) and 15-24 % (stage 2) slower on 2 one-core processes with gloo collectives at
-# 2x1 (bench_mp.json, zero1_step_ratio_2x1, zero2_step_ratio_2x1), so they are chosen when
-# memory binds: --dry_run's advice names stage 2.
+# bench_memory.json), stage 2 the gradient rows too (0.57x, 0.87x), but their steps were up to
+# 13 % (stage 1) and 22 % (stage 2) slower on 2 one-core processes with gloo collectives at 2x1
+# (bench_mp.json, zero1_step_ratio_2x1 0.995-1.128 and zero2_step_ratio_2x1 1.007-1.221 over
+# four models in the two runs of bench_mp_repro.json), so they are chosen when memory binds:
+# --dry_run's advice names stage 2.
 DEFAULT_ZERO = 0
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
