@@ -238,8 +238,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   t, _ = bench_baselines.timeit(step, carry, jax.tree.map(np.asarray, batch), FLAGS.steps, FLAGS.warmup)
   (work / f"single_{name}.json").write_text(json.dumps({
     "step_s_1dev": t, "predicted_1dev_s": full_1dev_s, "predicted_1dev_whole_s": whole_1dev_s,
-    "predicted_1dev_update_s": update_1dev_s, "update_s_per_byte": pc.update_s_per_byte,
-    "add_s_per_byte": pc.add_s_per_byte, "fill_s_per_byte": pc.fill_s_per_byte,
+    "predicted_1dev_update_s": update_1dev_s,
     "pack_max_bytes": _pack_max_bytes(), "branch_remat": FLAGS.branch_remat,
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s, "profile_s": profile_s, "place_s": place_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,

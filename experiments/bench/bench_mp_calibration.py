@@ -55,17 +55,19 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
     dict(os.environ)).get("GLIBC_TUNABLES", "")}
   cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
                                              calibration_cache.machine_fields(backend=False))
-  entry = None if off or recalibrate else cache.load("bench_mp", setup)
-  source = "cache"
-  if entry is None:
+  how = ("ring ppermute of 1 KiB-4 MiB fitted alpha + n / bandwidth; adam update, addition "
+         "and fill of a 32 MiB float32 buffer, both processes at once")
+
+  def measure() -> dict:
     logging.info("calibrating the link and the per-byte passes on two one-core processes")
     launch()
-    values = json.loads((work / "calibration_measured.json").read_text())
-    how = ("ring ppermute of 1 KiB-4 MiB fitted alpha + n / bandwidth; adam update, addition "
-           "and fill of a 32 MiB float32 buffer, both processes at once")
-    entry = {"values": values, "provenance": {"how": how}} if off else cache.store(
-      "bench_mp", values, setup, how)
-    source = "measured"
+    return json.loads((work / "calibration_measured.json").read_text())
+
+  if off:
+    entry, measured = {"values": measure(), "provenance": {"how": how}}, True
+  else:
+    entry, measured = cache.get_or_measure("bench_mp", measure, setup, how, refresh=recalibrate)
+  source = "measured" if measured else "cache"
   out = {"source": source, "path": None if off else str(cache.path("bench_mp", setup)),
          **entry}
   (work / "calibration.json").write_text(json.dumps(out))
