@@ -13,15 +13,20 @@ _SHOW_ENV = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
              "('GLIBC_TUNABLES', 'XLA_FLAGS', 'JAXHYBRID_RANK', 'JAXHYBRID_NPROCS')}))")
 
 
-def test_malloc_hugepages_tunable_is_merged_not_overwritten():
-  assert localcluster.with_malloc_hugepages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-  other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"}
-  out = localcluster.with_malloc_hugepages(other)
-  assert out["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-  assert out["PATH"] == "/bin" and other["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
-  # A user's own hugetlb choice is kept.
-  mine = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
-  assert localcluster.with_malloc_hugepages(mine)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+def test_malloc_tunables_are_merged_not_overwritten():
+  assert localcluster.with_malloc_tunables({})["GLIBC_TUNABLES"] == ":".join(
+    localcluster.MALLOC_TUNABLES)
+  other = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0", "PATH": "/bin"}
+  out = localcluster.with_malloc_tunables(other)
+  assert out["GLIBC_TUNABLES"] == ":".join(("glibc.malloc.tcache_count=0",
+                                            *localcluster.MALLOC_TUNABLES))
+  assert out["PATH"] == "/bin" and other["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+  # A user's own choice of one of them is kept, the others added.
+  mine = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=4"}
+  got = localcluster.with_malloc_tunables(mine)["GLIBC_TUNABLES"].split(":")
+  assert got[:2] == ["glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=4"]
+  assert sorted(t.split("=")[0] for t in got) == sorted(
+    t.split("=")[0] for t in localcluster.MALLOC_TUNABLES)
 
 
 def test_launch_gives_each_process_its_rank_flags_and_tunable(monkeypatch):
@@ -31,9 +36,9 @@ def test_launch_gives_each_process_its_rank_flags_and_tunable(monkeypatch):
   assert [e["JAXHYBRID_RANK"] for e in envs] == ["0", "1"]
   for e in envs:
     assert e["JAXHYBRID_NPROCS"] == "2"
-    assert e["GLIBC_TUNABLES"] == localcluster.MALLOC_HUGEPAGES_TUNABLE
+    assert e["GLIBC_TUNABLES"] == ":".join(localcluster.MALLOC_TUNABLES)
     assert localcluster.SINGLE_THREAD_XLA_FLAGS in e["XLA_FLAGS"]
-  plain = localcluster.launch(["-c", _SHOW_ENV], 1, timeout_s=120, malloc_hugepages=False)
+  plain = localcluster.launch(["-c", _SHOW_ENV], 1, timeout_s=120, malloc_tunables=False)
   assert json.loads(plain[0].stdout)["GLIBC_TUNABLES"] is None
 
 

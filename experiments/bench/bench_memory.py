@@ -54,7 +54,7 @@ _PLANNED_ROWS = flags.DEFINE_list(
   "'<row model>_1x<M>_over_fsdp' (FSDP from the same model's registry row at that M, when "
   "present) and 'planner_device_error_max' (the planner's per-device figure against the "
   "compiled bytes, every device of every planned row).")
-_ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1"], "ZeRO stages of the zero rows.")
+_ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1", "2"], "ZeRO stages of the zero rows.")
 _UPDATE = flags.DEFINE_boolean(
   "update", False, "Keep the rows already in --out and replace (or add) only the rows this run "
   "measures; each row records the commit of the program that measured it ('program').")

@@ -243,7 +243,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "plan_status": plan.status, "plan_gap": plan.gap, "plan_time_s": plan_s, "profile_s": profile_s, "place_s": place_s,
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
     "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
-    "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_HUGEPAGES_TUNABLE
+    "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_TUNABLES
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
     "profile_flush_bytes": FLAGS.profile_flush_bytes, "profile_min_time_s": FLAGS.profile_min_time_s,

@@ -51,7 +51,7 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
   from jaxhybrid.program import localcluster
 
   off = cache_dir == "off"
-  setup = {**CALIBRATION_SETUP, "glibc_tunables": localcluster.with_malloc_hugepages(
+  setup = {**CALIBRATION_SETUP, "glibc_tunables": localcluster.with_malloc_tunables(
     dict(os.environ)).get("GLIBC_TUNABLES", "")}
   cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
                                              calibration_cache.machine_fields(backend=False))

@@ -32,22 +32,32 @@ ENV_CORE = "JAXHYBRID_CORE"
 # XLA CPU flags for a one-core device: no Eigen thread pool, one intra-op thread.
 SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
-# glibc's malloc tunable that backs its arenas and large blocks with transparent huge pages
-# (glibc >= 2.35; older glibc ignores it). XLA's CPU runtime takes a step's large temporaries
-# from malloc, and glibc serves blocks above its mmap threshold with fresh mappings that every
-# step then touches page by page. Measured on this project's 2-core VM, GNMT-small 2-way
-# (bench_mp's plan, one core per process): 53,900 minor page faults and 1.41 s per step
-# without it, 268 faults and 1.22 s with it. A GPU's arena allocator has no such per-step cost,
-# so the timing processes run with it: an assumption of the CPU stand-in, not of the method.
-MALLOC_HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+# glibc malloc tunables for the timing processes. XLA's CPU runtime takes a step's large
+# temporaries from malloc; by default glibc serves blocks above its mmap threshold with fresh
+# mappings (and trims freed heap back to the kernel), so every step touches its temporaries page
+# by page again, faults included, which a GPU's arena allocator never pays. Measured on this
+# project's 2-core VM, GNMT-small (one core per process): 53,900 minor page faults and 1.41 s per
+# 2-way step with none of these, 268 faults and 1.22 s with hugetlb alone (large blocks on
+# transparent huge pages); the plain one-core jit step still took 400-1,900 faults per step with
+# hugetlb alone and 0 with all four (one arena, no mmap'd blocks, no trimming: freed memory is
+# reused as it is), the fastest of three alternating runs 0.554-0.561 s against 0.573-0.597 s.
+# An assumption of the CPU stand-in, not of the method. glibc >= 2.35 (older glibc ignores
+# hugetlb).
+MALLOC_TUNABLES = (
+  "glibc.malloc.hugetlb=1",
+  "glibc.malloc.arena_max=1",
+  "glibc.malloc.mmap_max=0",
+  "glibc.malloc.trim_threshold=17179869184",  # 16 GiB: freed memory stays in the heap
+)
 
 
-def with_malloc_hugepages(env: dict[str, str]) -> dict[str, str]:
-  """`env` with MALLOC_HUGEPAGES_TUNABLE added to GLIBC_TUNABLES (a hugetlb already set wins)."""
+def with_malloc_tunables(env: dict[str, str]) -> dict[str, str]:
+  """`env` with MALLOC_TUNABLES added to GLIBC_TUNABLES; a tunable the environment already sets
+  (by name) keeps its value."""
   out = dict(env)
   tunables = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t]
-  if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
-    tunables.append(MALLOC_HUGEPAGES_TUNABLE)
+  have = {t.split("=", 1)[0] for t in tunables}
+  tunables += [t for t in MALLOC_TUNABLES if t.split("=", 1)[0] not in have]
   out["GLIBC_TUNABLES"] = ":".join(tunables)
   return out
 
@@ -66,7 +76,7 @@ def launch(
   cores: Sequence[int] | None = None,
   devices_per_process: int = 1,
   pin: bool = True,
-  malloc_hugepages: bool = True,
+  malloc_tunables: bool = True,
 ) -> list[subprocess.CompletedProcess]:
   """Runs `python argv...` as `nprocs` processes of one JAX job on localhost.
 
@@ -77,7 +87,7 @@ def launch(
     cores: the core each process is pinned to (default 0, 1, ...; wraps around).
     devices_per_process: simulated CPU devices per process (1 for timing).
     pin: pin each process to one core with a single-threaded XLA runtime.
-    malloc_hugepages: start the processes with MALLOC_HUGEPAGES_TUNABLE (see there).
+    malloc_tunables: start the processes with MALLOC_TUNABLES (see there).
 
   Returns:
     The completed processes (returncode, stdout, stderr), rank order.
@@ -101,8 +111,8 @@ def launch(
         env[ENV_CORE] = str(cores[rank % len(cores)])
         flags += " " + SINGLE_THREAD_XLA_FLAGS
       env["XLA_FLAGS"] = flags
-      if malloc_hugepages:
-        env = with_malloc_hugepages(env)
+      if malloc_tunables:
+        env = with_malloc_tunables(env)
       # Output goes to files, not pipes: the parent polls every process (below) and a pipe that
       # nobody reads would block a chatty child.
       logs = (files.enter_context(tempfile.TemporaryFile("w+")),
