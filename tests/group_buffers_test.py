@@ -1,0 +1,77 @@
+"""Group buffers as the memory model counts them: a hand-made schedule whose buffers are derived
+by hand, and the rule that shares packed lanes between values of different lifetimes."""
+
+from __future__ import annotations
+
+import jax
+import optax
+import toy
+from flax import nnx
+from program_test import build
+
+from jaxhybrid.planner.core import task_schedule
+from jaxhybrid.program import tasks
+
+
+def test_group_buffers_of_a_hand_made_schedule_are_counted_as_derived():
+  """The memory model counts every group buffer for as long as the program keeps it: a two-
+  device GPipe schedule given by hand (explicit groups), whose buffers are derived below.
+
+  Chain(width 64, 2 layers), 8 rows per micro-batch, k=2; device 0 runs inp and layers/0, device
+  1 layers/1 and head (with the loss). A = 8x64 float32 (2048 B), Y = 8x4 float32, L = the loss
+  scalar. Per micro-batch, device 0 keeps inp's output and layers/0's tanh residual (2A, until
+  B(layers/0)) and sends layers/0's output (A, which its own B reads again); device 1 receives
+  it (A, until B(layers/1)) and keeps layers/1's output, its residual and head's (2A + Y) and
+  the loss (L, to the end); its cotangent back to device 0 is a message (A) received for one
+  group. A kept lane is as long as the longest device's part (2A + Y when both keep values).
+  """
+  model = toy.Chain(width=64, layers=2, rngs=nnx.Rngs(0))
+  batch = toy.regression_batch(16)
+  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
+  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
+  hand = task_schedule.TaskSchedule(
+    kind="custom", split=False, microbatches=2,
+    devices=((F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),
+             (F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1))),
+    groups=((0, 0, 1, 1, 3, 3, 4, 4), (1, 1, 2, 2, 2, 2, 3, 3)),
+  )
+  prog, p, _, _ = build(
+    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 2), 2, optax.sgd(0.1),
+    schedule=hand,
+  )
+  assert [n.name for n in prog.graph.nodes] == ["inp", "layers/0", "layers/1", "head"]
+  A, Y, L = 8 * 64 * 4, 8 * 4 * 4, 4
+  expected = [
+    4 * A,                   # g0: dev 0's message A + kept 2A; dev 1's receive A
+    8 * A + Y + L,           # g1: + message A, kept lane 2A + Y, loss, receive A
+    12 * A + 2 * Y + 2 * L,  # g2: + cotangent message (dies), kept 2A + Y, loss, receive A
+    12 * A + 2 * Y + 2 * L,  # g3: g0's receive and g2's message gone; + cotangent receive A
+    4 * A + Y + 2 * L,       # g4: g1's message and kept lane, two losses, g3's receive
+  ]
+  assert tasks.live_bytes(prog.structure) == expected
+  report = prog.memory(compile=False)
+  assert report.live_peak == max(expected)
+  ts = prog.init_state(jax.tree.leaves(p))
+  temp = prog.lower(ts, batch).compile().memory_analysis().temp_size_in_bytes
+  assert temp >= max(expected), (temp, expected)
+
+
+def test_kept_values_share_lanes_by_lifetime_interval_at_least_bytes_times_groups():
+  """`tasks.lifetime_lanes`: equal values on every device with different lifetimes share one
+  lane (the SPMD program allocates a lane on every device), while a short-lived large value does
+  not share the lane of a long-lived small one (that lane would live long at the large size)."""
+  size = {"a": 4, "b": 4, "c": 4, "d": 4}
+  life = {"a": 7, "b": 5, "c": 3, "d": 1}
+  lanes = tasks.lifetime_lanes({0: ["a"], 1: ["b"], 2: ["c"], 3: ["d"]}, life, size.get)
+  assert set(lanes.values()) == {0}
+  size = {"long": 1, "short": 4, "short2": 4}
+  life = {"long": 12, "short": 2, "short2": 2}
+  lanes = tasks.lifetime_lanes({0: ["long"], 1: ["short", "short2"]}, life, size.get)
+  assert lanes[12] != lanes[2]
+  # Exact over interval partitions (lane length x (longest lifetime + 1)):
+  size = {"x": 8, "y": 1, "z": 8}
+  life = {"x": 1, "y": 10, "z": 9}
+  lanes = tasks.lifetime_lanes({0: ["x", "y"], 1: ["z"]}, life, size.get)
+  # {10} alone (1 x 11) + {9, 1} (8 x 10) = 91 beats one lane (9 x 11 = 99), {10, 9} + {1}
+  # (8 x 11 + 8 x 2 = 104) and three lanes (11 + 80 + 16 = 107).
+  assert lanes[10] != lanes[9] and lanes[9] == lanes[1]
