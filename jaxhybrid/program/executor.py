@@ -33,6 +33,7 @@ from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import dtypes
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import gradients
+from jaxhybrid.program import lookups as lookups_lib
 from jaxhybrid.program import zero as zero_lib
 from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
@@ -57,6 +58,7 @@ def structure_for(
   branch_remat: str = "none",
   remat: frozenset[int] = frozenset(),
   canonical_convs: bool = False,
+  sparse_lookups: bool = True,
 ) -> tuple[sched_lib.TaskSchedule, tasks_lib.Structure, NodeCalls]:
   """The task schedule, lock-step structure and node calls of a placement (no mesh needed).
 
@@ -68,6 +70,7 @@ def structure_for(
     branch_remat: 'none', 'dots' or 'full' (every node rematerialised).
     remat: nodes whose forward saves nothing.
     canonical_convs: replay convolutions in the canonical layout (`graph.convs`).
+    sparse_lookups: tables read only by row lookups get row gradients (`program.lookups`).
 
   Raises:
     ValueError: a schedule that does not fit the placement.
@@ -94,7 +97,8 @@ def structure_for(
   if branch_remat == "full":
     remat = frozenset(range(len(graph.nodes)))
   calls = NodeCalls(
-    graph=graph, canonical_convs=canonical_convs, branch_remat=branch_remat, remat=remat
+    graph=graph, canonical_convs=canonical_convs, branch_remat=branch_remat, remat=remat,
+    sparse_lookups=sparse_lookups,
   )
   consts = dict(zip(graph.jaxpr.constvars, graph.closed_jaxpr.consts))
   structure = tasks_lib.build(
@@ -158,8 +162,11 @@ def run_groups(
   # into it (dynamic-update-slices, in place); they are cut apart at the end. (Separate buffers
   # per slot row let XLA fuse a row's additions over all groups into the optimizer's pass at the
   # end, which keeps every group's window alive until then.)
-  all_windows = gradients.gradient_windows(st, g, layout)
-  single = gradients.single_window_rows(all_windows, layout) if single_windows else {}
+  all_windows = gradients.gradient_windows(st, g, layout, lookups=calls.lookups)
+  row_lengths = gradients.lookup_lengths(st, g, layout, calls.lookups)
+  single = gradients.single_window_rows(
+    all_windows, layout, exclude=gradients.looked_up_rows(st, g, layout, calls.lookups)
+  ) if single_windows else {}
   whole: dict[str, jax.Array] = {}
   base: dict[str, int] = {}
   flat_len: dict[str, int] = {}
@@ -194,6 +201,8 @@ def run_groups(
       # This group's parameter gradients, in a window of this device's gradient row.
       # leaf -> its gradient from this device's gradient task (summed over repeated arguments)
       leaf_grads: dict[int, jax.Array] = {}
+      # dtype -> (leaf, lookup, row ids, rows' gradients) of looked-up tables (`lookups`)
+      leaf_rows: dict[str, list[Any]] = {}
       local: dict[Any, jax.Array] = {}
       pullbacks: dict[tuple[int, int], Any] = {}
 
@@ -233,10 +242,13 @@ def run_groups(
         args = args_of(node, c, need)
         if op.kind == "F":
           if node.id in calls.remat:
-            outs = calls.fn(node.id)(*args)
+            outs, _ = calls.split_outs(node.id, calls.fn(node.id)(*calls.full_args(node.id, args)))
           else:
-            outs, pb = jax.vjp(calls.fn(node.id), *args)
-            treedef, _, packed = split_pullback(pb, args, outs)
+            full = calls.full_args(node.id, args)
+            outs, pb = jax.vjp(calls.fn(node.id), *full)
+            outs, ids = calls.split_outs(node.id, outs)
+            treedef, _, packed = split_pullback(pb, full, outs)
+            packed = packed + ids
             res = calls.residuals(node.id, consts)
             if res.has_fresh:  # saved: res.stored; the others are made again in B
               packed = [packed[j] for j in res.stored]
@@ -251,16 +263,21 @@ def run_groups(
             local[("a", v, c)] = o
           continue
         # B or W: the pullback of F(n, c).
+        found = calls.lookups(node.id)
+        ids = None
         if (node.id, c) in pullbacks:
           pb = pullbacks[(node.id, c)]
         elif node.id in calls.remat:
-          _, pb = jax.vjp(calls.fn(node.id), *args)
+          outs, pb = jax.vjp(calls.fn(node.id), *calls.full_args(node.id, args))
+          ids = calls.split_outs(node.id, outs)[1]
         else:
           res = calls.residuals(node.id, consts)
           leaves = pullback_leaves(
-            res, args, lambda i, n=node.id, c=c: read(("r", n, c, i)),
+            res, calls.full_args(node.id, args), lambda i, n=node.id, c=c: read(("r", n, c, i)),
             lambda i, node=node, c=c: read(("a", node.outvars[i], c)))
           pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
+        if found and ids is None:
+          ids = [read(("r", node.id, c, j)) for j in calls.residuals(node.id, consts).ids]
         cts = []
         for v in node.outvars:
           a = v.aval
@@ -273,7 +290,7 @@ def run_groups(
           if v is loss_var:
             ct = ct + jnp.asarray(1.0 / k, a.dtype)
           cts.append(ct)
-        in_cts = pb(cts)
+        in_cts = pb(calls.full_cts(node.id, cts))
         if op.kind == "B":
           for key in st.makes[(d, op)]:  # ('g', var, c, node): summed over the var's positions
             v = key[1]
@@ -283,8 +300,21 @@ def run_groups(
                 total = in_cts[i] if total is None else total + in_cts[i]
             local[key] = total
         if op.kind == "W" or not st.schedule.split:
+          tables = {lk.arg for lk in found}
+          for j, lk in enumerate(found):  # a looked-up table's gradient: its rows' gradients
+            idx = kinds[node.invars[lk.arg]][1]
+            rows = in_cts[len(node.invars) + j].reshape(lk.rows, lk.row_elems)
+            rid = lookups_lib.row_ids(lk, ids[j])
+            _on_param_access(d, idx, "grad")
+            if layout.owner[idx] < 0:  # a shared leaf: its gradient is carried whole
+              p = shared_pos[idx]
+              dense = jnp.zeros((lk.table_shape[0], lk.row_elems), lk.dtype).at[rid].add(
+                rows, mode="drop").reshape(lk.table_shape)
+              sh_g = sh_g[:p] + [sh_g[p] + dense] + sh_g[p + 1 :]
+            else:
+              leaf_rows.setdefault(lk.dtype, []).append((idx, lk, rid, rows))
           for i, v in enumerate(node.invars):
-            if v not in kinds or kinds[v][0] != graph_lib.PARAM:
+            if v not in kinds or kinds[v][0] != graph_lib.PARAM or i in tables:
               continue
             idx = kinds[v][1]
             gv = in_cts[i]
@@ -329,7 +359,15 @@ def run_groups(
         if zero_cuts is not None:  # [W, length/W]: row r is replica r's share
           win = zero_lib.to_chunks(win, w.starts[d], zero_cuts[w.row_key], W)
         wins.append(win)
-      return outs, (wins, sh_g), _token(dep)
+      scattered = []
+      for dt, length in sorted(row_lengths[gi].items()):
+        parts = [lookups_lib.flat_positions(
+                   lk, rid, layout.offset[idx], base[layout.row_of[idx]], flat_len[dt], W,
+                   zero_cuts[layout.row_of[idx]] if zero_cuts is not None else None)
+                 for idx, lk, rid, _ in leaf_rows.get(dt, [])]
+        vals = [rows.reshape(-1).astype(dt) for _, _, _, rows in leaf_rows.get(dt, [])]
+        scattered.append(lookups_lib.padded(parts, vals, length, dt))
+      return outs, (wins, sh_g, scattered), _token(dep)
 
     return branch
 
@@ -347,8 +385,12 @@ def run_groups(
       if tok is not None:
         tokens = tok if tokens is None else tokens + tok
     if carry_grads:
-      wins, gshared = new
+      wins, gshared, scattered = new
       last: dict[str, Any] = {}
+      for dt, (pos, vals) in zip(sorted(row_lengths[gi]), scattered):
+        # Looked-up tables' row gradients, added where they belong (`lookups.flat_positions`).
+        grads[dt] = lookups_lib.scatter_add(grads[dt], pos, vals, W if zero_cuts is not None else 1)
+        last.setdefault(dt, jnp.int32(0))
       # Add the window into this device's own row outside the conditional, in place: a whole
       # row carried through a conditional is copied by XLA on the way in and out.
       for w, win in zip(windows, wins):

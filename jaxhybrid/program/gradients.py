@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,9 +63,13 @@ class Window:
     return out
 
 
+def _lookup_tables(lookups: Callable[[int], Sequence[Any]] | None, nid: int) -> set[int]:
+  return set() if lookups is None else {lk.arg for lk in lookups(nid)}
+
+
 def gradient_windows(
   st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
-  split_bytes: int | None = None,
+  split_bytes: int | None = None, lookups: Callable[[int], Sequence[Any]] | None = None,
 ) -> list[list[Window] | None]:
   """Per group (None without gradient tasks), the windows of the devices' gradient rows its
   conditional returns.
@@ -75,6 +80,8 @@ def gradient_windows(
   as the longest of them; starts are clamped so each window fits the row. A window leaves the
   conditional and is added into the row outside it (a row carried through a conditional is
   copied by XLA); a window that is one leaf's gradient is that array itself, not a copy.
+  `lookups` (`NodeCalls.lookups`): a node's tables read only by row lookups are left out (their
+  gradients leave as rows, `lookup_lengths`).
   """
   if split_bytes is None:
     split_bytes = WINDOW_SPLIT_BYTES
@@ -89,7 +96,10 @@ def gradient_windows(
       if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
         continue
       has = True
-      for v in graph.nodes[op.node].invars:
+      tables = _lookup_tables(lookups, op.node)
+      for i, v in enumerate(graph.nodes[op.node].invars):
+        if i in tables:
+          continue
         if v in kinds and kinds[v][0] == graph_lib.PARAM and layout.owner[kinds[v][1]] >= 0:
           idx = kinds[v][1]
           touched.setdefault((layout.row_of[idx], d), set()).add(idx)
@@ -129,8 +139,48 @@ def gradient_windows(
   return out
 
 
+def _looked_up(st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
+               lookups: Callable[[int], Sequence[Any]]):
+  """Per group, the (device, lookup, leaf) of its gradient tasks' row lookups of owned leaves."""
+  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
+  for lay in st.groups:
+    out = []
+    for d, op in lay.tasks:
+      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+        continue
+      node = graph.nodes[op.node]
+      for lk in lookups(op.node):
+        idx = kinds[node.invars[lk.arg]][1]
+        if layout.owner[idx] >= 0:
+          out.append((d, lk, idx))
+    yield out
+
+
+def lookup_lengths(st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
+                   lookups: Callable[[int], Sequence[Any]]) -> list[dict[str, int]]:
+  """Per group, dtype -> the row-gradient elements its conditional returns per device: the
+  most any device's row lookups of owned tables make in the group (`program.lookups`)."""
+  out = []
+  for found in _looked_up(st, graph, layout, lookups):
+    per: dict[tuple[int, str], int] = {}
+    for d, lk, _ in found:
+      per[(d, lk.dtype)] = per.get((d, lk.dtype), 0) + lk.elems
+    lengths: dict[str, int] = {}
+    for (_, dt), n in per.items():
+      lengths[dt] = max(lengths.get(dt, 0), n)
+    out.append(lengths)
+  return out
+
+
+def looked_up_rows(st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
+                   lookups: Callable[[int], Sequence[Any]]) -> set[str]:
+  """The row keys holding a table whose gradient arrives as rows."""
+  return {layout.row_of[idx] for found in _looked_up(st, graph, layout, lookups)
+          for _, _, idx in found}
+
+
 def single_window_rows(
-  windows: list[list[Window] | None], layout: ParamLayout
+  windows: list[list[Window] | None], layout: ParamLayout, exclude: set[str] = frozenset(),
 ) -> dict[str, Window]:
   """Rows whose whole gradient is ONE window of the step: row key -> that window.
 
@@ -147,7 +197,7 @@ def single_window_rows(
   sizes = dict(layout.sizes)
   return {
     r: ws[0] for r, ws in seen.items()
-    if len(ws) == 1 and ws[0].length == sizes[r] and not any(ws[0].starts)
+    if r not in exclude and len(ws) == 1 and ws[0].length == sizes[r] and not any(ws[0].starts)
   }
 
 

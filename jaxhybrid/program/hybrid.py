@@ -155,6 +155,7 @@ class HybridProgram:
     pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES,
     branch_remat: str = "none",
     zero: int = 0,
+    sparse_lookups: bool = True,
   ) -> HybridProgram:
     """Builds the program.
 
@@ -181,6 +182,9 @@ class HybridProgram:
         rematerialised).
       zero: 0 (optimizer state replicated over 'data'), 1 (sharded over 'data') or 2 (the
         gradient rows too; see the `zero` attribute).
+      sparse_lookups: a parameter table a node reads only by row lookups (an embedding, a
+        sampled softmax's weights) gets its gradient as the rows read, added into the gradient
+        row by a scatter, not as a table-sized window (`jaxhybrid.program.lookups`).
 
     Raises:
       ValueError: if the assignment or the schedule does not fit the graph or the mesh.
@@ -221,7 +225,7 @@ class HybridProgram:
     schedule, structure, calls = executor.structure_for(
       graph, assignment, M, microbatches, schedule, order=order, forward_s=forward_s,
       branch_remat=branch_remat, remat=frozenset(names[r] for r in remat),
-      canonical_convs=canonical,
+      canonical_convs=canonical, sparse_lookups=sparse_lookups,
     )
     remat_ids = calls.remat
     return cls(
@@ -241,7 +245,8 @@ class HybridProgram:
     if "_zero_cuts" not in self.__dict__:
       W = self.mesh.shape[DATA]
       if self.zero == 2:
-        windows = gradients.gradient_windows(self.structure, self.graph, self.layout)
+        windows = gradients.gradient_windows(self.structure, self.graph, self.layout,
+                                             lookups=self.calls.lookups)
         self.__dict__["_zero_cuts"] = zero_lib.row_cuts(self.layout, windows, W)
       else:
         self.__dict__["_zero_cuts"] = zero_lib.whole_rows(self.layout.sizes)

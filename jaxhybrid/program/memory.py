@@ -329,18 +329,34 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     _nbytes(x) // (W if pe else 1) for x, pe in zip(batch, prog.per_example)
   )
   owned = lay.bytes_per_device()
-  all_windows = [ws for ws in gradients.gradient_windows(prog.structure, prog.graph, lay) if ws]
+  lookups = prog.calls.lookups
+  per_group = gradients.gradient_windows(prog.structure, prog.graph, lay, lookups=lookups)
+  row_lengths = gradients.lookup_lengths(prog.structure, prog.graph, lay, lookups)
+  all_windows = [ws for ws in per_group if ws]
   zero = getattr(prog, "zero", 0)
   W = prog.mesh.shape[DATA]
 
   # Rows given whole by one window (no zero accumulator; executor.run_groups): outside ZeRO.
-  single = {} if zero else gradients.single_window_rows(all_windows, lay)
+  single = {} if zero else gradients.single_window_rows(
+    all_windows, lay, exclude=gradients.looked_up_rows(prog.structure, prog.graph, lay, lookups))
   single_bytes = sum(w.nbytes for w in single.values())
+
+  def group_rows(lengths: dict[str, int]) -> int:
+    # Looked-up tables' row gradients (lookups.py): positions (int32) and values, built in
+    # pieces and padded (two copies); under ZeRO stage 2 passed round the 'data' ring (the
+    # hop received beside the one held) with each hop's local positions.
+    out = 0
+    for dt, n in lengths.items():
+      one = n * (4 + np.dtype(dt).itemsize)
+      out += 2 * one + (2 * one + 4 * n if zero == 2 and W > 1 else 0)
+    return out
 
   def group_windows(ws) -> int:
     # Every window of the group counted alive at once. On one model device (no conditional)
     # XLA may update a row given whole as soon as its window is made and hold fewer (a uniform
     # chain: 15 MB compiled against 34 MB of windows); BigLSTM and GNMT hold them all.
+    if not ws:
+      return 0
     out = sum(w.nbytes for w in ws) + max(w.copies(lay) for w in ws)
     if zero == 2:  # + a window cut into several segments is copied into its [W, L/W] form,
       # + one reduce-scatter's output (its share) at a time, all the windows still alive
@@ -352,7 +368,8 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
       out += max(w.nbytes // W for w in ws)
     return out
 
-  window = max((group_windows(ws) for ws in all_windows), default=0)
+  window = max((group_windows(ws or []) + group_rows(n) for ws, n in zip(per_group, row_lengths)),
+               default=0)
   last = all_windows[-1][-1] if all_windows else None
   fields: dict[str, Any] = {}
   if compile:

@@ -21,6 +21,7 @@ from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph import convs
 from jaxhybrid.graph.remat import remat_policy
 from jaxhybrid.planner.core import dtypes
+from jaxhybrid.program import lookups as lookups_lib
 from jaxhybrid.program import tasks as tasks_lib
 
 
@@ -113,15 +114,51 @@ class NodeCalls:
   canonical_convs: bool
   branch_remat: str  # 'none' | 'dots' | 'full'
   remat: frozenset[int]  # nodes whose F saves nothing
+  # Parameter tables read only by row lookups get their gradients as rows (`lookups`).
+  sparse_lookups: bool = True
   _fns: dict[int, Callable] = dataclasses.field(default_factory=dict)
+  _lookups: dict[int, tuple[lookups_lib.Lookup, ...]] = dataclasses.field(default_factory=dict)
   _res: dict[int, tasks_lib.Residuals] = dataclasses.field(default_factory=dict)
   treedefs: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+  def lookups(self, nid: int) -> tuple[lookups_lib.Lookup, ...]:
+    """The node's parameter-table row lookups replayed with row gradients (`lookups`): its
+    function then takes one proxy per lookup after its inputs and returns the lookups' index
+    arrays after its outputs."""
+    if nid not in self._lookups:
+      found: tuple[lookups_lib.Lookup, ...] = ()
+      node = self.graph.nodes[nid]
+      closed = self.graph.node_jaxpr(node)
+      if self.sparse_lookups and not (self.canonical_convs and convs.has_convs(closed.jaxpr)):
+        kinds = dict(zip(self.graph.jaxpr.invars, self.graph.input_kinds))
+        params = [i for i, v in enumerate(node.invars)
+                  if v in kinds and kinds[v][0] == graph_lib.PARAM]
+        found = lookups_lib.find(closed, params)
+      self._lookups[nid] = found
+    return self._lookups[nid]
+
+  def full_args(self, nid: int, args: Sequence[Any]) -> list[Any]:
+    """The node's arguments followed by its lookups' zero proxies (what `fn(nid)` takes)."""
+    return list(args) + lookups_lib.proxies(self.lookups(nid))
+
+  def split_outs(self, nid: int, outs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """`fn(nid)`'s results -> (the node's outputs, its lookups' index arrays)."""
+    n = len(self.graph.nodes[nid].outvars)
+    return list(outs[:n]), list(outs[n:])
+
+  def full_cts(self, nid: int, cts: Sequence[Any]) -> list[Any]:
+    """Output cotangents for `fn(nid)`'s pullback: the node's, then none for the indices."""
+    return list(cts) + [np.zeros(lk.ids_shape, jax.dtypes.float0) for lk in self.lookups(nid)]
 
   def fn(self, nid: int) -> Callable:
     if nid not in self._fns:
       closed = self.graph.node_jaxpr(self.graph.nodes[nid])
       use = self.canonical_convs and convs.has_convs(closed.jaxpr)
-      f = convs.jaxpr_fn(closed) if use else jex.core.jaxpr_as_fun(closed)
+      found = self.lookups(nid)
+      if found:
+        f = lookups_lib.rows_fn(closed, found)
+      else:
+        f = convs.jaxpr_fn(closed) if use else jex.core.jaxpr_as_fun(closed)
       policy = remat_policy(self.branch_remat) if self.branch_remat == "dots" else None
       self._fns[nid] = jax.checkpoint(f, policy=policy) if policy is not None else f
     return self._fns[nid]
@@ -140,11 +177,13 @@ class NodeCalls:
 
     def probe(*free):
       it = iter(free)
-      args = [consts[v] if v in consts else next(it) for v in node.invars]
+      args = self.full_args(nid, [consts[v] if v in consts else next(it) for v in node.invars])
       outs, pb = jax.vjp(self.fn(nid), *args)
+      outs, ids = self.split_outs(nid, outs)
       _, kinds, packed = split_pullback(pb, args, outs)
       info["kinds"] = kinds
-      return packed
+      info["n_packed"] = len(packed)
+      return packed + ids
 
     free = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.invars if v not in consts]
     closed = jax.make_jaxpr(probe)(*free)
@@ -161,11 +200,16 @@ class NodeCalls:
         kinds.append(("res", stored[i]))
       else:
         kinds.append((k, i if k != "const" else None))
+    ids = []
+    for j in range(len(self.lookups(nid))):  # the lookups' indices: saved after the residuals
+      stored[info["n_packed"] + j] = len(stored)
+      ids.append(len(avals))
+      avals.append(closed.out_avals[info["n_packed"] + j])
     self._res[nid] = tasks_lib.Residuals(
       kinds=tuple(kinds),
       avals=tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals),
       consts=tuple(i if k == "const" else None for k, i in info["kinds"]),
-      stored=tuple(stored), fills=tuple(fills),
+      stored=tuple(stored), fills=tuple(fills), ids=tuple(ids),
     )
     shared[key] = self._res[nid]
     return self._res[nid]
@@ -211,12 +255,17 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
   def temp(f, *avals):
     return int(jax.jit(f).lower(*avals).compile().memory_analysis().temp_size_in_bytes)
 
+  table_args = {lk.arg for lk in calls.lookups(nid)}
+
+  def grads(in_cts):  # what the task returns: no zero table gradient for a looked-up table
+    return [c for i, c in enumerate(in_cts) if i not in table_args]
+
   if nid in calls.remat:
-    t_f = temp(lambda *xs: fn(*fill(xs)), *free)
+    t_f = temp(lambda *xs: calls.split_outs(nid, fn(*calls.full_args(nid, fill(xs))))[0], *free)
 
     def b_remat(xs, cts):
-      _, pb = jax.vjp(fn, *fill(xs))
-      return pb(cts_of(cts))
+      _, pb = jax.vjp(fn, *calls.full_args(nid, fill(xs)))
+      return grads(pb(calls.full_cts(nid, cts_of(cts))))
 
     t_b = temp(b_remat, free, zero_cts())
   else:
@@ -224,16 +273,20 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
     info: dict[str, Any] = {}
 
     def f_task(*xs):
-      args = fill(xs)
+      args = calls.full_args(nid, fill(xs))
       outs, pb = jax.vjp(fn, *args)
+      outs, ids = calls.split_outs(nid, outs)
       info["treedef"], _, packed = split_pullback(pb, args, outs)
+      packed = packed + ids
       return outs, ([packed[j] for j in res.stored] if res.has_fresh else packed)
 
     t_f = temp(f_task, *free)
 
     def b_task(xs, saved, outs, cts):
-      leaves = pullback_leaves(res, fill(xs), saved.__getitem__, outs.__getitem__)
-      return jax.tree.unflatten(info["treedef"], leaves)(cts_of(cts))
+      leaves = pullback_leaves(
+        res, calls.full_args(nid, fill(xs)), saved.__getitem__, outs.__getitem__)
+      pb = jax.tree.unflatten(info["treedef"], leaves)
+      return grads(pb(calls.full_cts(nid, cts_of(cts))))
 
     saved = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res.avals]
     outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in node.outvars]

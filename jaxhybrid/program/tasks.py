@@ -71,6 +71,8 @@ class Residuals:
   # () for residuals described without them (every array saved).
   stored: tuple[int, ...] = ()
   fills: tuple[tuple[Any, tuple[int, ...], str], ...] = ()
+  # Per row lookup of the node (`program.lookups`), the packed residual holding its indices.
+  ids: tuple[int, ...] = ()
 
   @property
   def has_fresh(self) -> bool:
@@ -257,7 +259,7 @@ def build(
         range(len(n.invars)) if n.id in remat else res[n.id].arg_indices
       )
       arg_vars = list(dict.fromkeys(
-        n.invars[i] for i in need_args if n.invars[i] in acts[n.id]
+        n.invars[i] for i in need_args if i < len(n.invars) and n.invars[i] in acts[n.id]
       ))
       cts = []
       for v in n.outvars:
