@@ -38,6 +38,23 @@ def test_zero_matches_reference(mesh_spec, k, opt_name, stage):
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
+@pytest.mark.parametrize("mesh_spec,stage", [("2x2", 1), ("2x2", 2), ("4x2", 2)])
+def test_zero_rows_made_again_in_pieces_match_reference(monkeypatch, mesh_spec, stage):
+  """Segments over 512 bytes all-gathered in pieces inside a loop and written into the old
+  rows in place (what segments over zero.GATHER_CHUNK_BYTES get), the others at once."""
+  from jaxhybrid.program import zero as zero_lib
+  monkeypatch.setattr(zero_lib, "GATHER_CHUNK_BYTES", 512)
+  opt = optax.adagrad(0.1)
+  model = toy.LSTMNet(rngs=nnx.Rngs(0))
+  batch = toy.lstm_batch(16)
+  prog, p, s, pure = build(model, toy.lstm_loss, batch, mesh_spec, split_lstm, 2, opt, zero=stage)
+  segs = [b - a for cs in prog.zero_cuts.values() for a, b in zip(cs, cs[1:])]
+  assert any(n * 4 > 512 for n in segs)  # some in pieces (the loop's last piece overlaps)
+  if stage == 2:
+    assert any(n * 4 <= 512 for n in segs)  # and some at once
+  assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_with_shared_leaves_and_global_norm_clipping(stage):
   """A tied embedding (shared over 'model', all-reduced) beside sharded rows, and a global-norm

@@ -141,7 +141,8 @@ class MemoryReport:
 
 
 def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | None = None,
-                      data_shards: int = 1, zero: int | None = None) -> int:
+                      data_shards: int = 1, zero: int | None = None,
+                      zero_cuts: dict[str, tuple[int, ...]] | None = None) -> int:
   """XLA's compiled temp bytes of the step's tail on one device, from abstract inputs.
 
   The tail as the step runs it: the gradient row made from zeros and windows (`window` elements
@@ -153,6 +154,8 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
   With `data_shards` W > 1 (ZeRO): the update runs on a 1/W slice of each row with a 1/W slice
   of the optimizer state, from the row's sum over its W parts (the reduce-scatter's output
   size), and the updated slice is repeated back to the row's length (the all-gather's).
+  `zero_cuts`: the program's share segments (`HybridProgram.zero_cuts`; default one per row),
+  with which the rows are made again from the shares (`zero.rows_from_shares`).
   Under ZeRO stage 2 (`zero=2`) there is no whole gradient row: the 1/W accumulator is made from
   zeros and the window's share (`window` / W elements) added into it, then as stage 1. Returned
   then: the temp less that accumulator.
@@ -201,19 +204,18 @@ def update_temp_bytes(optimizer: Any, layout: Any, window: int = 0, row: str | N
     return p, o, sq
 
   def update_shares(p, o, g, p_mine):
-    # The update on each row's share, then the shares side by side repeated W times (the
-    # all-gather's output) and cut back into rows.
+    # The update on each row's share, then the rows made again from the shares as zero.tail
+    # does (`zero.rows_from_shares`), each share repeated W times in place of the all-gather.
     mine = {"owned": p_mine, "shared": p["shared"]}
     u, o = optimizer.update(g, o, mine)
     mine = optax.apply_updates(mine, u)
     owned = {}
+    cuts = zero_lib.whole_rows(layout.sizes) if zero_cuts is None else zero_cuts
     for keys in rows_by_dtype(layout.sizes).values():
-      full = jnp.tile(jnp.concatenate([mine["owned"][r][0] for r in keys])[None], (W, 1))
-      at = 0
-      for r in keys:
-        n = mine["owned"][r].shape[1]
-        owned[r] = full[:, at:at + n].reshape(1, W * n)
-        at += n
+      got = zero_lib.rows_from_shares(
+        {r: p["owned"][r][0] for r in keys}, {r: mine["owned"][r][0] for r in keys}, keys, cuts,
+        W, lambda x: jnp.tile(x[None], (W, 1)))
+      owned.update({r: x[None] for r, x in got.items()})
     return {"owned": owned, "shared": mine["shared"]}, o
 
   def tail(p, o, g, w, start):
@@ -396,7 +398,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
     update_temp=update_temp_bytes(
       prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
-      data_shards=W if zero else 1, zero=zero),
+      data_shards=W if zero else 1, zero=zero, zero_cuts=prog.zero_cuts if zero else None),
     batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
     **fields,
   )
