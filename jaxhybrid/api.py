@@ -322,6 +322,7 @@ def parallelize(
       g, model_ax, rules=tuple(popts.shard_rules), min_fraction=popts.shard_min_fraction)
     skipped = report.skipped
   c = costs if costs is not None else default_costs(hardware)
+  state_factor = optimizer_state_factor(optimizer, g_traced)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
   def planned(opts: dict[str, Any]) -> tuple[graph_lib.OpGraph, Any, PlanCheck | None]:
@@ -359,14 +360,17 @@ def parallelize(
     # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
     # its lock-step price and memory are those of that schedule.
     if plan_.lockstep_step_s and prog_.schedule != plan_.task_schedule:
-      popts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches).replace(
-        **{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
+      popts = planner_lib.PlannerOptions(
+        devices=model_ax, microbatches=microbatches, optimizer_state_factor=state_factor,
+      ).replace(**{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
       plan_ = planner_lib.reprice(plan_, planner_lib.Problem.from_graph(g_, c, popts), prog_.schedule)
     return dataclasses.replace(plan_, task_schedule=prog_.schedule), prog_
 
   check = None
   if plan is None:
     opts = dict(planner_options or {})
+    # The planner's memory counts optimizer state per parameter byte: this optimizer's.
+    opts.setdefault("optimizer_state_factor", state_factor)
     opts.setdefault("microbatches", microbatches)
     opts.setdefault("method", planner)
     if isinstance(prog_opts.get("schedule"), str):
@@ -402,6 +406,20 @@ def parallelize(
     graph=g, plan=plan, program=prog, mesh=m, init_leaves=init_leaves,
     reference_loss=reference, check=check,
   )
+
+
+def optimizer_state_factor(optimizer: Any, graph: graph_lib.OpGraph) -> float:
+  """Bytes of `optimizer`'s state per parameter byte, for the graph's parameters (from
+  `jax.eval_shape` of its init: Adam 2, AdaGrad 1, SGD 0; nothing is allocated)."""
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+           for v, (kind, _) in zip(graph.jaxpr.invars, graph.input_kinds)
+           if kind == graph_lib.PARAM]
+
+  def nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+  params = nbytes(avals)
+  return nbytes(jax.eval_shape(optimizer.init, avals)) / params if params else 0.0
 
 
 def _check_program_options(options: dict[str, Any]) -> None:

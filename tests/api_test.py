@@ -428,3 +428,15 @@ def test_plan_carries_the_one_device_reference_of_the_whole_batch(tmp_path):
   assert hy.plan.reference_source == "whole-step profile"
   assert hy.plan.reference_step_s == cm.whole_step_time_s(g_whole) >= 0.0
 
+
+
+def test_planner_counts_the_optimizers_own_state():
+  """`parallelize` tells the planner its optimizer's state bytes per parameter byte."""
+  from jaxhybrid.api import optimizer_state_factor
+
+  g = graph_lib.trace_function(
+    lambda p, s, b: jnp.sum(jnp.tanh(b["x"] @ p["w"]) * p["v"]),
+    {"w": jnp.zeros((4, 3)), "v": jnp.zeros((3,), jnp.bfloat16)}, {}, {"x": jnp.zeros((2, 4))})
+  assert optimizer_state_factor(optax.adam(1e-3), g) == pytest.approx(2.0, abs=0.1)  # + a count
+  assert optimizer_state_factor(optax.adagrad(0.1), g) == pytest.approx(1.0)
+  assert optimizer_state_factor(optax.sgd(0.1), g) == 0.0
