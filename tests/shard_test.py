@@ -135,12 +135,15 @@ def _spread(g, M):
   return out
 
 
-@pytest.mark.parametrize("mesh_spec,k,schedule", [
-  ("1x2", 1, "1f1b"), ("2x2", 2, "zb"), ("1x4", 2, "gpipe"), ("4x2", 1, "1f1b"),
+@pytest.mark.parametrize("mesh_spec,k,schedule,zero,opt_name", [
+  ("1x2", 1, "1f1b", 0, "adam"), ("2x2", 2, "zb", 0, "adam"), ("1x4", 2, "gpipe", 0, "adam"),
+  ("4x2", 1, "1f1b", 0, "adam"),
+  # ZeRO over 'data' with split leaves (pieces placed on every model device)
+  ("2x2", 2, "1f1b", 1, "adagrad"), ("2x2", 1, "zb", 2, "adam"), ("4x2", 1, "gpipe", 2, "adagrad"),
 ])
-def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule):
+def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule, zero, opt_name):
   model, batch = VocabNet(rngs=nnx.Rngs(1)), vocab_batch(16, seed=2)
-  opt = optax.adam(1e-2)
+  opt = {"adam": optax.adam(1e-2), "adagrad": optax.adagrad(0.1)}[opt_name]
   m = mesh_lib.make(mesh_spec)
   M, data = m.shape["model"], m.shape["data"]
   spec, per_example = microbatch_spec(batch, 16, 16 // (data * k))
@@ -148,14 +151,17 @@ def test_program_with_sharded_leaves_matches_reference(mesh_spec, k, schedule):
   g, report = shard.shard_leaves(graph_lib.trace_function(pure, p, s, spec), M)
   assert len(report.shards) == 3
   prog = program_lib.HybridProgram.build(
-    g, m, opt, _spread(g, M), microbatches=k, state=s, per_example=per_example, schedule=schedule)
+    g, m, opt, _spread(g, M), microbatches=k, state=s, per_example=per_example, schedule=schedule,
+    zero=zero)
   # Each device owns one piece of the embedding: 1/M of it, not the whole table.
   emb = next(x for x in report.shards if x.rule == "lookup")
   per_dev = prog.layout.bytes_per_device()
   split = shard.sharded_bytes(g)
   assert split == (50 * 16 + 16 * 16 + 16 * 50) * 4
   whole = g.total_param_bytes - split  # the biases
-  assert max(per_dev) <= split / M + whole + 3 * 16 * 4, per_dev  # one row of imbalance per leaf
+  # One row of imbalance per leaf; under ZeRO each leaf padded to a multiple of the data width.
+  pad = 3 * 16 * 4 + (8 * 4 * data if zero else 0)
+  assert max(per_dev) <= split / M + whole + pad, per_dev
   assert emb.axis == 1 and emb.bounds == tuple((d * 16) // M for d in range(M + 1))
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
