@@ -91,3 +91,26 @@ def test_projection_exposes_the_all_gather_half_under_zero():
       0.5 * 4 * 0.1 + 0.1)
   with pytest.raises(ValueError, match="zero=3"):
     projection.CommConfig(zero=3)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_ring_reduce_scatter_equals_psum_scatter(W):
+  """The ppermute ring (zero.reduce_scatter on CPU) gives each replica the same sum of its row
+  as lax.psum_scatter, for every replica."""
+  from jax.sharding import PartitionSpec as P
+
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid.program import zero
+
+  mesh = mesh_lib.make(f"{W}x1")
+  x = np.random.default_rng(0).integers(-8, 8, (W, W, 6)).astype(np.float32)  # [replica, row, c]
+
+  def run(ring):
+    f = jax.shard_map(lambda v: zero.reduce_scatter(v[0], W, ring)[None], mesh=mesh,
+                      in_specs=P(DATA), out_specs=P(DATA))
+    return np.asarray(jax.jit(f)(x))
+
+  want = x.sum(axis=0)  # replica r gets row r of the sum
+  np.testing.assert_array_equal(run(True), want)
+  np.testing.assert_array_equal(run(False), want)
+  assert zero.ring_scatter(mesh)  # CPU devices take the ring

@@ -29,7 +29,7 @@ from jax import lax
 
 from jaxhybrid import graph as graph_lib
 from jaxhybrid.graph.remat import remat_policy
-from jaxhybrid.mesh import DATA, MODEL
+from jaxhybrid.mesh import MODEL
 from jaxhybrid.planner.core import dtypes
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import gradients
@@ -135,6 +135,7 @@ def run_groups(
   zero_cuts: dict[str, tuple[int, ...]] | None = None,
   data: int = 1,
   single_windows: bool = False,
+  scatter_ring: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array]]:
   """Runs every group; returns (this device's loss share, flat gradients, whole-window rows,
   shared gradients).
@@ -148,7 +149,8 @@ def run_groups(
 
   With `zero_cuts` (ZeRO stage 2 over `data` replicas; `jaxhybrid.program.zero`), every window
   is reduce-scattered over 'data' as it leaves its group and the flat buffers hold only this
-  replica's share of the rows (1/data of them), summed over the replicas, not yet averaged.
+  replica's share of the rows (1/data of them), summed over the replicas, not yet averaged;
+  `scatter_ring`: those reduce-scatters go round a ppermute ring (`zero.reduce_scatter`).
   """
   g = calls.graph
   k = st.schedule.microbatches
@@ -400,7 +402,7 @@ def run_groups(
         at = [base[w.row_key] + a for a in w.starts]
         length = w.length
         if zero_cuts is not None:  # this replica's share of the window, summed over replicas
-          win = lax.psum_scatter(win, DATA, scatter_dimension=0, tiled=False) if W > 1 else win[0]
+          win = zero_lib.reduce_scatter(win, W, scatter_ring)
           at, length = [a // W for a in at], length // W
         start = jnp.asarray(at, jnp.int32)[me] if M > 1 else jnp.int32(at[0])
         # The offset goes through an optimization barrier: XLA's CPU backend emits a

@@ -328,7 +328,7 @@ class HybridProgram:
     return executor.run_groups(
       self.structure, self.calls, self.layout, inputs, consts,
       zero_cuts=self.zero_cuts if self.zero == 2 else None, data=self.mesh.shape[DATA],
-      single_windows=not self.zero)
+      single_windows=not self.zero, scatter_ring=zero_lib.ring_scatter(self.mesh))
 
   @property
   def per_worker_batch(self) -> int:
