@@ -133,6 +133,15 @@ def test_existing_run_needs_resume_and_same_config(tmp_path):
     runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, seed=1))
   with pytest.raises(errors.UsageError, match="has zero=2 but this command gives 0"):
     runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, zero=0))
+  # A run saved before the config had a zero field ran without ZeRO (the default then).
+  saved = os.path.join(wd, "config.json")
+  text = open(saved).read()
+  with open(saved, "w") as f:
+    json.dump({k: v for k, v in json.loads(text).items() if k != "zero"}, f)
+  with pytest.raises(errors.UsageError, match="has zero=0 but this command gives 2"):
+    runner.run(dataclasses.replace(cfg, workdir=wd, resume=True))
+  with open(saved, "w") as f:
+    f.write(text)
   assert open(os.path.join(wd, "metrics.jsonl")).read() == before  # nothing lost
   # The same flags with --resume and more steps continue from the last checkpoint.
   res = runner.run(dataclasses.replace(cfg, workdir=wd, resume=True, steps=3, projection=False))

@@ -40,13 +40,18 @@ log = logging.getLogger(__name__)
 # The optimizer when neither --optimizer nor the paper (at --size=paper) names one.
 DEFAULT_OPTIMIZER = "adam"
 # ZeRO stage of the main job (see RunConfig.zero). Stage 1 divides the rows' optimizer state by
-# the data width (paper BigLSTM 16x2: 0.78x the memory per device, paper GNMT 8x2: 0.91x;
-# bench_memory.json), stage 2 the gradient rows too (0.57x, 0.87x), but their steps were up to
-# 13 % (stage 1) and 22 % (stage 2) slower on 2 one-core processes with gloo collectives at 2x1
-# (bench_mp.json, zero1_step_ratio_2x1 0.995-1.128 and zero2_step_ratio_2x1 1.007-1.221 over
-# four models in the two runs of bench_mp_repro.json), so they are chosen when memory binds:
-# --dry_run's advice names stage 2.
-DEFAULT_ZERO = 0
+# the data width (paper BigLSTM 16x2: 0.77x the memory per device, paper GNMT 8x2: 0.91x;
+# bench_memory.json) for the all-reduce's bytes on the wire, and its step measured no slower on
+# 2 one-core processes with gloo collectives at 2x1 (bench_mp.json, zero1_step_ratio_2x1
+# 0.92-1.01 over four models, the reduce-scatter a ppermute ring: zero.RING_SCATTER_PLATFORMS).
+# Stage 2 divides the gradient rows too (0.44x, 0.87x) for one reduce-scatter per micro-batch
+# (zero2_step_ratio_2x1 0.96-1.02 at one micro-batch; more bytes with more), so it is chosen when
+# memory binds: --dry_run's advice names it. --resume keeps a run's stage (a workdir written at
+# another stage is refused with the flag to pass).
+DEFAULT_ZERO = 1
+# Run-config fields whose default has changed, with the value a saved run that predates the
+# field ran with.
+FORMER_DEFAULTS = {"zero": 0}
 # Config fields that change the training trajectory: --resume refuses a workdir that differs.
 TRAJECTORY_FIELDS = ("model", "size", "mesh", "batch", "microbatches", "data", "seed", "overrides",
                      "optimizer", "learning_rate", "clip_norm", "schedule", "zero")
@@ -239,13 +244,15 @@ def _prepare_workdir(config: RunConfig) -> None:
     except (OSError, ValueError):
       raise errors.UsageError(f"{saved} is unreadable: repair it or choose another --workdir") from None
     new = _config_json(config)
-    # A field newer than the saved run had its default there.
-    defaults = _config_json(RunConfig(workdir=config.workdir))
-    diff = [k for k in TRAJECTORY_FIELDS if old.get(k, defaults.get(k)) != new.get(k)]
+    # A field newer than the saved run had its default there (the one it had then, where the
+    # default has changed since: FORMER_DEFAULTS).
+    defaults = {**_config_json(RunConfig(workdir=config.workdir)), **FORMER_DEFAULTS}
+    was = {k: old.get(k, defaults.get(k)) for k in TRAJECTORY_FIELDS}
+    diff = [k for k in TRAJECTORY_FIELDS if was[k] != new.get(k)]
     if diff:
       k = diff[0]
       raise errors.UsageError(
-        f"--resume: the run in {wd!r} has {k}={old.get(k)!r} but this command gives {new.get(k)!r}: "
+        f"--resume: the run in {wd!r} has {k}={was[k]!r} but this command gives {new.get(k)!r}: "
         "use the same flags or another --workdir")
 
 
