@@ -106,11 +106,11 @@ def from_chunks(full: jax.Array, cuts: Cuts, W: int) -> jax.Array:
 
 # Platforms on which a reduce-scatter over 'data' is a ring of W - 1 `ppermute`s rather than
 # `lax.psum_scatter`. XLA's CPU collectives over gloo run psum_scatter as gloo's halving-doubling
-# reduce-scatter on a full-size host copy of the input; measured on this project's 2-core VM
-# (two one-core processes): 38 MiB took 37.9 ms that way and 18.2 ms as one ppermute of the half
-# plus an add, while the all-reduce it replaces took 44.1 ms and the all-gather 18.8 ms (so
-# reduce-scatter + all-gather was 30 % slower than the all-reduce with psum_scatter, 16 % faster
-# with the ring). Elsewhere (NCCL on GPUs) the library's reduce-scatter is the tuned primitive.
+# reduce-scatter on a full-size host copy of the input; on this project's 2-core VM (two one-core
+# processes, experiments/results/bench_collectives.json) 38 MiB took 35.5 ms that way and 17.7 ms
+# as one ppermute of the half plus an add, while the all-reduce it replaces took 42.7 ms and the
+# all-gather 17.7 ms: reduce-scatter + all-gather 1.25x the all-reduce with psum_scatter, 0.83x
+# with the ring. Elsewhere (NCCL on GPUs) the library's reduce-scatter is the tuned primitive.
 RING_SCATTER_PLATFORMS = ("cpu",)
 
 

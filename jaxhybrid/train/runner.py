@@ -391,7 +391,8 @@ def check_fits(hybrid: Any, limit_bytes: int | None = None) -> None:
 def _memory_summary(hybrid: Any, config: RunConfig) -> dict[str, Any]:
   """Per-device memory of the step as the memory model predicts it (bytes), by part."""
   r = predicted_memory(hybrid)
-  return {"zero": config.zero, "predicted_bytes": int(r.predicted), "params_bytes": int(r.params),
+  # The stage the program runs (one data replica runs every stage as 0).
+  return {"zero": hybrid.program.zero, "predicted_bytes": int(r.predicted), "params_bytes": int(r.params),
           "optimizer_bytes": int(r.optimizer), "gradients_bytes": int(r.gradients)}
 
 
