@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxhybrid.graph import interpret
+
 _CONV = jex.core.primitives.conv_general_dilated_p
 _JIT = jex.core.primitives.jit_p
 # Name of canonical convolution outputs, for `jax.checkpoint` policies that keep them.
@@ -94,29 +96,16 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
   Ungrouped convolutions at the top level and inside nested `jit` calls (inlined) are replaced by
   `conv`; other higher-order primitives (scan, cond, custom_jvp, remat) are bound unchanged.
   """
-  env: dict[Any, Any] = {}
 
-  def read(v):
-    return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  def rule(eqn, vals):
     if _is_plain_conv(eqn):
-      outs = [conv(*invals, eqn.params)]
-    elif eqn.primitive is _JIT:
+      return [conv(*vals, eqn.params)]
+    if eqn.primitive is _JIT:
       inner = eqn.params["jaxpr"]
-      outs = eval_jaxpr(inner.jaxpr, inner.consts, *invals)
-    else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      if not isinstance(v, jex.core.DropVar):
-        env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+      return eval_jaxpr(inner.jaxpr, inner.consts, *vals)
+    return None
+
+  return interpret.eval_jaxpr_with(jaxpr, consts, args, rule)
 
 
 def has_convs(jaxpr: Any) -> bool:

@@ -30,6 +30,8 @@ import jax.extend as jex
 import numpy as np
 from jax import lax
 
+from jaxhybrid.graph import interpret
+
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
@@ -144,32 +146,22 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tables: dict[A
           proxies: Iterator[Any], ids: list[Any]) -> list[Any]:
   """`jaxpr` evaluated as `jax.core.eval_jaxpr` does, except the tables' row gathers: rows read
   under stop_gradient plus the next proxy; their index operands appended to `ids`."""
-  env: dict[Any, Any] = {}
 
-  def read(v):
-    return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    vals = [read(v) for v in eqn.invars]
+  def rule(eqn, vals):
+    if eqn.primitive.name == "gather" and _is_var(eqn.invars[0]) and eqn.invars[0] in tables:
+      rows = eqn.primitive.bind(lax.stop_gradient(vals[0]), vals[1], **eqn.params)
+      ids.append(vals[1])
+      return [rows + next(proxies)]
     inner = _inner(eqn)
     sub = {} if inner is None else {
       getattr(inner, "jaxpr", inner).invars[i]: tables[v]
       for i, v in enumerate(eqn.invars) if _is_var(v) and v in tables}
-    if eqn.primitive.name == "gather" and _is_var(eqn.invars[0]) and eqn.invars[0] in tables:
-      rows = eqn.primitive.bind(lax.stop_gradient(vals[0]), vals[1], **eqn.params)
-      outs = [rows + next(proxies)]
-      ids.append(vals[1])
-    elif sub:
-      ij = getattr(inner, "jaxpr", inner)
-      outs = _eval(ij, getattr(inner, "consts", ()), vals, sub, proxies, ids)
-    else:
-      with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-      outs = ans if eqn.primitive.multiple_results else [ans]
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+    if sub:
+      return _eval(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), vals, sub,
+                   proxies, ids)
+    return None
+
+  return interpret.eval_jaxpr_with(jaxpr, consts, args, rule)
 
 
 def rows_fn(closed: Any, found: Sequence[Lookup]) -> Callable[..., list[Any]]:
