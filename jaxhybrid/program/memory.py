@@ -337,6 +337,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   all_windows = [ws for ws in per_group if ws]
   zero = getattr(prog, "zero", 0)
   W = prog.mesh.shape[DATA]
+  ring = zero_lib.ring_scatter(prog.mesh)
 
   # Rows given whole by one window (no zero accumulator; executor.run_groups): outside ZeRO.
   single = {} if zero else gradients.single_window_rows(
@@ -367,7 +368,11 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
         (w.nbytes for w in ws
          if any(len(zero_lib.pieces(s, s + w.length, cuts[w.row_key])) > 1 for s in w.starts)),
         default=0)
-      out += max(w.nbytes // W for w in ws)
+      if W > 1 and ring:  # + the hop each window received beside its share: the group's
+        # windows go round the ring together (zero.reduce_scatter; chain 2x2-16x2 within 2 %)
+        out += max(w.nbytes // W for w in ws) + sum(w.nbytes // W for w in ws)
+      else:
+        out += max(w.nbytes // W for w in ws)
     return out
 
   window = max((group_windows(ws or []) + group_rows(n) for ws, n in zip(per_group, row_lengths)),
