@@ -135,6 +135,13 @@ def headline() -> str:
     if mp.get(m, {}).get("ratio_vs_fsdp"):
       rows.append(f"| 2-way plan's speed over FSDP's on the same 2 cores, {m} small | "
                   f"{_x(mp[m]['ratio_vs_fsdp'])} | {_source('bench_mp.json')} |")
+  for z in (1, 2):
+    ratios = [mp[m][f"zero{z}_step_ratio_2x1"] for m in sorted(mp)
+              if mp[m].get(f"zero{z}_step_ratio_2x1")]
+    if ratios:
+      rows.append(f"| data-parallel 2x1 step with ZeRO stage {z} (`--zero={z}`) over without, "
+                  f"largest over the {len(ratios)} bench models (2 pinned CPU cores) | "
+                  f"{max(ratios):.2f} | {_source('bench_mp.json')} |")
   for key, what in (("chain_1x8_over_1x1", "uniform chain, memory per device 1x8 over 1x1"),
                     ("biglstm:paper@planner_1x8_over_fsdp",
                      "paper BigLSTM 1x8, the plan `parallelize` makes under the 16 GiB cap, "
