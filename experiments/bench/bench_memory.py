@@ -335,8 +335,8 @@ def main(argv):
       _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
   _planned_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   _zero_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
-  print(json.dumps(_summary(rows), indent=1))
-  _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
+  # The summary of the file's rows (with --update, the kept ones too), as written.
+  print(json.dumps(_summary(_write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)), indent=1))
 
 
 # Rows of an earlier run kept by --update, and the commit this run measures.
@@ -349,7 +349,8 @@ def _row_key(r):
 
 
 def _write(path, rows, skipped, slot_min_bytes):
-  """The results so far (written after every row, so a cut run keeps what it measured)."""
+  """The results so far (written after every row, so a cut run keeps what it measured); returns
+  the rows written (the kept rows of an --update run first)."""
   for r in rows:
     r.setdefault("program", _PROGRAM)
   new = {_row_key(r) for r in rows}
@@ -357,6 +358,7 @@ def _write(path, rows, skipped, slot_min_bytes):
   with open(path, "w") as f:
     json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
                "slot_min_bytes": slot_min_bytes}, f, indent=1)
+  return rows
 
 
 def _summary(rows):
