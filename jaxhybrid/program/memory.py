@@ -375,8 +375,9 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
         out += max(w.nbytes // W for w in ws)
     return out
 
-  window = max((group_windows(ws or []) + group_rows(n) for ws, n in zip(per_group, row_lengths)),
-               default=0)
+  repeated = gradients.repeated_gradient_bytes(prog.structure, prog.graph, lay, lookups)
+  window = max((group_windows(ws or []) + group_rows(n) + r
+                for ws, n, r in zip(per_group, row_lengths, repeated)), default=0)
   last = all_windows[-1][-1] if all_windows else None
   fields: dict[str, Any] = {}
   if compile:
