@@ -75,3 +75,31 @@ def test_kept_values_share_lanes_by_lifetime_interval_at_least_bytes_times_group
   # {10} alone (1 x 11) + {9, 1} (8 x 10) = 91 beats one lane (9 x 11 = 99), {10, 9} + {1}
   # (8 x 11 + 8 x 2 = 104) and three lanes (11 + 80 + 16 = 107).
   assert lanes[10] != lanes[9] and lanes[9] == lanes[1]
+
+
+def test_a_nodes_second_gradient_task_in_one_group_is_counted():
+  """`gradients.repeated_gradient_bytes`: the schedule above with device 1's four backward tasks
+  in one group, so layers/1 and head each run their backward twice there: the partial sum of a
+  node's parameter gradients and the second task's are alive together, and the model adds the
+  larger node's gradient bytes (layers/1: a 64x64 kernel and 64 biases, float32) to that
+  group's windows. Device 0 runs each node's backward once per group: nothing added."""
+  from jaxhybrid.program import gradients
+
+  model = toy.Chain(width=64, layers=2, rngs=nnx.Rngs(0))
+  batch = toy.regression_batch(16)
+  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
+  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
+  hand = task_schedule.TaskSchedule(
+    kind="custom", split=False, microbatches=2,
+    devices=((F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),
+             (F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1))),
+    groups=((0, 0, 1, 1, 3, 3, 4, 4), (1, 1, 2, 2, 2, 2, 2, 2)),
+  )
+  prog, _, _, _ = build(
+    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 2), 2, optax.sgd(0.1),
+    schedule=hand,
+  )
+  got = gradients.repeated_gradient_bytes(prog.structure, prog.graph, prog.layout)
+  assert got == [0, 0, (64 * 64 + 64) * 4, 0, 0]
+  with_hand = prog.memory(compile=False)
+  assert with_hand.window >= (64 * 64 + 64) * 4 * 2  # the window of layers/1 and the repeat
