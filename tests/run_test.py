@@ -82,6 +82,16 @@ def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   assert pred["lockstep_step_s"] > 0 and pred["fused_makespan_s"] > 0
 
 
+def test_a_run_on_one_data_replica_resumes_at_any_zero_stage(tmp_path):
+  """With one data replica every ZeRO stage runs as 0, so a 1x2 run written at stage 0 (the
+  default before) resumes under the default stage and continues from its checkpoint."""
+  wd = str(tmp_path / "w")
+  cfg = dataclasses.replace(TINY, mesh="1x2", workdir=wd, steps=2, projection=False)
+  runner.run(dataclasses.replace(cfg, zero=0))
+  res = runner.run(dataclasses.replace(cfg, resume=True, steps=3))
+  assert cfg.zero == runner.DEFAULT_ZERO != 0 and res["metrics"]["resumed_from"] == 2
+
+
 BAD_CONFIGS = [
   (dict(model="resnet"), "--model='resnet' is unknown"),
   (dict(size="huge"), "--size='huge' is unknown"),

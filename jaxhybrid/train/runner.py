@@ -248,11 +248,15 @@ def _prepare_workdir(config: RunConfig) -> None:
     # default has changed since: FORMER_DEFAULTS).
     defaults = {**_config_json(RunConfig(workdir=config.workdir)), **FORMER_DEFAULTS}
     was = {k: old.get(k, defaults.get(k)) for k in TRAJECTORY_FIELDS}
-    diff = [k for k in TRAJECTORY_FIELDS if was[k] != new.get(k)]
+    now = {k: new.get(k) for k in TRAJECTORY_FIELDS}
+    shape = _mesh_shape_early(str(now["mesh"]))
+    if was["mesh"] == now["mesh"] and shape is not None and shape.data == 1:
+      was["zero"] = now["zero"] = 0  # one data replica runs every stage as 0 (HybridProgram.build)
+    diff = [k for k in TRAJECTORY_FIELDS if was[k] != now[k]]
     if diff:
       k = diff[0]
       raise errors.UsageError(
-        f"--resume: the run in {wd!r} has {k}={was[k]!r} but this command gives {new.get(k)!r}: "
+        f"--resume: the run in {wd!r} has {k}={was[k]!r} but this command gives {now[k]!r}: "
         "use the same flags or another --workdir")
 
 
