@@ -13,6 +13,26 @@ from jaxhybrid.planner.core import task_schedule
 from jaxhybrid.program import tasks
 
 
+def _hand_chain(device1_groups, batch):
+  """Chain(width 64, 2 layers) on 1x2 with k=2 and a GPipe task order given by hand: device 0
+  runs inp and layers/0 (groups 0, 0, 1, 1, 3, 3, 4, 4), device 1 layers/1 and head in
+  `device1_groups`. Returns (program, parameters)."""
+  model = toy.Chain(width=64, layers=2, rngs=nnx.Rngs(0))
+  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
+  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
+  hand = task_schedule.TaskSchedule(
+    kind="custom", split=False, microbatches=2,
+    devices=((F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),
+             (F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1))),
+    groups=((0, 0, 1, 1, 3, 3, 4, 4), tuple(device1_groups)),
+  )
+  prog, p, _, _ = build(
+    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 2), 2, optax.sgd(0.1),
+    schedule=hand,
+  )
+  return prog, p
+
+
 def test_group_buffers_of_a_hand_made_schedule_are_counted_as_derived():
   """The memory model counts every group buffer for as long as the program keeps it: a two-
   device GPipe schedule given by hand (explicit groups), whose buffers are derived below.
@@ -25,20 +45,8 @@ def test_group_buffers_of_a_hand_made_schedule_are_counted_as_derived():
   the loss (L, to the end); its cotangent back to device 0 is a message (A) received for one
   group. A kept lane is as long as the longest device's part (2A + Y when both keep values).
   """
-  model = toy.Chain(width=64, layers=2, rngs=nnx.Rngs(0))
   batch = toy.regression_batch(16)
-  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
-  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
-  hand = task_schedule.TaskSchedule(
-    kind="custom", split=False, microbatches=2,
-    devices=((F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),
-             (F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1))),
-    groups=((0, 0, 1, 1, 3, 3, 4, 4), (1, 1, 2, 2, 2, 2, 3, 3)),
-  )
-  prog, p, _, _ = build(
-    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 2), 2, optax.sgd(0.1),
-    schedule=hand,
-  )
+  prog, p = _hand_chain((1, 1, 2, 2, 2, 2, 3, 3), batch)
   assert [n.name for n in prog.graph.nodes] == ["inp", "layers/0", "layers/1", "head"]
   A, Y, L = 8 * 64 * 4, 8 * 4 * 4, 4
   expected = [
@@ -85,20 +93,7 @@ def test_a_nodes_second_gradient_task_in_one_group_is_counted():
   group's windows. Device 0 runs each node's backward once per group: nothing added."""
   from jaxhybrid.program import gradients
 
-  model = toy.Chain(width=64, layers=2, rngs=nnx.Rngs(0))
-  batch = toy.regression_batch(16)
-  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
-  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
-  hand = task_schedule.TaskSchedule(
-    kind="custom", split=False, microbatches=2,
-    devices=((F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)),
-             (F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1))),
-    groups=((0, 0, 1, 1, 3, 3, 4, 4), (1, 1, 2, 2, 2, 2, 2, 2)),
-  )
-  prog, _, _, _ = build(
-    model, toy.mse_nnx, batch, "1x2", lambda n: toy.chain_stage(n, 2, 2), 2, optax.sgd(0.1),
-    schedule=hand,
-  )
+  prog, _ = _hand_chain((1, 1, 2, 2, 2, 2, 2, 2), toy.regression_batch(16))
   got = gradients.repeated_gradient_bytes(prog.structure, prog.graph, prog.layout)
   assert got == [0, 0, (64 * 64 + 64) * 4, 0, 0]
   with_hand = prog.memory(compile=False)
