@@ -85,16 +85,28 @@ def test_kept_values_share_lanes_by_lifetime_interval_at_least_bytes_times_group
   assert lanes[10] != lanes[9] and lanes[9] == lanes[1]
 
 
-def test_a_nodes_second_gradient_task_in_one_group_is_counted():
-  """`gradients.repeated_gradient_bytes`: the schedule above with device 1's four backward tasks
-  in one group, so layers/1 and head each run their backward twice there: the partial sum of a
-  node's parameter gradients and the second task's are alive together, and the model adds the
-  larger node's gradient bytes (layers/1: a 64x64 kernel and 64 biases, float32) to that
-  group's windows. Device 0 runs each node's backward once per group: nothing added."""
-  from jaxhybrid.program import gradients
+def test_parameter_copies_are_counted_once_per_group_from_first_to_last_reader():
+  """`memory.param_copies`: a task reads its node's leaves sliced out of the device's packed row
+  (the chain's leaves are far below the slot-row size), so each is a copy. F of layers/0 copies
+  its 64x64 kernel and 64 biases (float32); `tasks.in_group_bytes` counts a copy once per
+  device and group however many tasks read it, from the first reader to the last."""
+  from jaxhybrid.program import memory
 
-  prog, _ = _hand_chain((1, 1, 2, 2, 2, 2, 2, 2), toy.regression_batch(16))
-  got = gradients.repeated_gradient_bytes(prog.structure, prog.graph, prog.layout)
-  assert got == [0, 0, (64 * 64 + 64) * 4, 0, 0]
-  with_hand = prog.memory(compile=False)
-  assert with_hand.window >= (64 * 64 + 64) * 4 * 2  # the window of layers/1 and the repeat
+  prog, _ = _hand_chain((1, 1, 2, 2, 2, 2, 3, 3), toy.regression_batch(16))
+  copies = memory.param_copies(prog)
+  F = lambda n, c: task_schedule.Op("F", n, c)  # noqa: E731
+  B = lambda n, c: task_schedule.Op("B", n, c)  # noqa: E731
+  assert sum(copies(0, F(1, 0)).values()) == (64 * 64 + 64) * 4
+  assert copies(0, F(1, 0)) == copies(0, F(1, 1))  # the same leaves, keyed by leaf
+  assert set(copies(0, B(1, 0))) <= set(copies(0, F(1, 0)))
+  # Every task reads a 1000-byte copy of one key: each group holds it once on top of the rest.
+  plain = tasks.in_group_bytes(prog.structure)
+  one = tasks.in_group_bytes(prog.structure, copies=lambda d, op: {"w": 1000})
+  assert [b - a for a, b in zip(plain, one)] == [1000] * len(plain)
+  # With the program's own copies, each group grows by at most its devices' copies summed.
+  real = tasks.in_group_bytes(prog.structure, copies=copies)
+  for g, lay in enumerate(prog.structure.groups):
+    most = max(
+      sum({k: v for dd, op in lay.tasks if dd == d for k, v in copies(d, op).items()}.values())
+      for d in range(2))
+    assert plain[g] <= real[g] <= plain[g] + most

@@ -67,41 +67,6 @@ def _lookup_tables(lookups: Callable[[int], Sequence[Any]] | None, nid: int) -> 
   return set() if lookups is None else {lk.arg for lk in lookups(nid)}
 
 
-def repeated_gradient_bytes(
-  st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
-  lookups: Callable[[int], Sequence[Any]] | None = None,
-) -> list[int]:
-  """Per group, the largest device's bytes of parameter gradients a second gradient task of the
-  same node adds beside the first (0 where no device runs two of one node's gradient tasks).
-
-  A node whose weight gradient two micro-batches make in one group (zero-bubble schedules put
-  several W tasks of a node together) has each task's gradients alive until they are summed:
-  the partial sum and the new gradients at once, beside the window the sum becomes (measured:
-  BigLSTM-small 1x4 ZB k=4, two W tasks of an LSTM layer, 9 MB of gradients each, in one group;
-  the compiled temp held both). Tables read only by row lookups are left out (`lookups`).
-  """
-  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
-  out = []
-  for lay in st.groups:
-    count: dict[tuple[int, int], int] = {}
-    for d, op in lay.tasks:
-      if op.kind == "W" or (op.kind == "B" and not st.schedule.split):
-        count[(d, op.node)] = count.get((d, op.node), 0) + 1
-    by_device: dict[int, int] = {}
-    for (d, n), c in count.items():
-      if c < 2:
-        continue
-      tables = _lookup_tables(lookups, n)
-      b = 0
-      for i, v in enumerate(graph.nodes[n].invars):
-        if i not in tables and v in kinds and kinds[v][0] == graph_lib.PARAM:
-          idx = kinds[v][1]
-          b += math.prod(layout.shapes[idx]) * np.dtype(layout.dtypes[idx]).itemsize
-      by_device[d] = max(by_device.get(d, 0), b)
-    out.append(max(by_device.values(), default=0))
-  return out
-
-
 def gradient_windows(
   st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamLayout,
   split_bytes: int | None = None, lookups: Callable[[int], Sequence[Any]] | None = None,

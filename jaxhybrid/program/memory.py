@@ -13,7 +13,8 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   makes and reads itself without returning them (`program.tasks.in_group_bytes`: an activation
   passed to the device's next task of the group, residuals whose B runs in the same group; with
   the whole step in one group, all of its activations) plus the running task's own temporaries
-  (XLA's compiled temp of each node's F and B alone, `node_calls.task_temp_bytes`);
+  (XLA's compiled temp of each node's F and B alone, `node_calls.task_temp_bytes`) and the
+  parameter leaves its tasks copy out of the device's rows (`param_copies`);
 - gradient windows: the largest set of gradient-row windows one group's conditional returns
   (one node's parameter gradients; `program.gradients.gradient_windows`), plus the gradients a
   branch concatenates into a shared window before returning it (a leaf alone is not copied);
@@ -23,8 +24,9 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   optimizer-dependent; on the CPU Adam's keeps two row-sized buffers beyond the gradient row);
 - batch: this device's share of the global batch.
 
-Predicted total = parameters + optimizer state + gradients + batch + max(group peak + gradient
-windows, update_temp): the tail runs after the last group, when the groups' buffers are dead.
+Predicted total = parameters + optimizer state + gradients + batch + max(the largest, over
+groups, of a group's peak + its own gradient windows, update_temp): the tail runs after the last
+group, when the groups' buffers are dead.
 
 Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
 (`jax.ShapeDtypeStruct` with shardings: nothing is allocated), arguments + temporaries per device.
@@ -75,6 +77,9 @@ class MemoryReport:
   # max over groups of (live buffers + values made and read inside the group's branch + the
   # running task's compiled temporaries); None: a report without it (the live peak is used).
   group_peak: int | None = None
+  # max over groups of (that group's peak + its own gradient windows): the groups' largest peak
+  # and largest windows need not be one group's; None: their sum is used.
+  group_total: int | None = None
   compiled_arguments: int | None = None
   compiled_temp: int | None = None
   compiled_output: int | None = None
@@ -85,9 +90,9 @@ class MemoryReport:
     # The tail (optimizer update) runs after every group: its temporaries and the groups' buffers
     # and windows are not alive at the same time.
     peak = self.live_peak if self.group_peak is None else self.group_peak
+    groups = peak + self.window if self.group_total is None else self.group_total
     return (
-      self.params + self.optimizer + self.gradients + self.batch
-      + max(peak + self.window, self.update_temp)
+      self.params + self.optimizer + self.gradients + self.batch + max(groups, self.update_temp)
     )
 
   @property
@@ -309,6 +314,49 @@ def abstract_batch(prog: Any) -> list[jax.ShapeDtypeStruct]:
   return out
 
 
+def param_copies(prog: Any) -> Callable[[int, Any], dict[Any, int]]:
+  """Per (device, task): {('p', leaf): bytes} of the parameter leaves the task copies out of
+  its rows (`tasks.in_group_bytes`'s `copies`).
+
+  A task reads its node's leaves as slices of the device's rows (`executor.run_groups`,
+  `param_value`); XLA materialises such a slice before a matmul, a convolution or a loop reads
+  it, in the group's branch (BigLSTM-small 1x4 1F1B: the LSTM's two 4 MiB weights copied for its
+  backward scan, 9.5 MB of the 9.6 MB the model missed). Not copied: a leaf that fills a slot
+  row (read in place), a shared leaf (passed whole) and a looked-up table (the gather reads the
+  row in place; no table-sized value in the compiled step). F reads every argument; B and W
+  the arguments their pullback is rebuilt from (`Residuals.arg_indices`), all of them for a
+  rematerialised node.
+  """
+  g, lay, calls = prog.graph, prog.layout, prog.calls
+  kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
+  consts = dict(zip(g.jaxpr.constvars, g.closed_jaxpr.consts))
+  length = dict(lay.sizes)
+  item = {i: np.dtype(lay.dtypes[i]).itemsize for i in range(len(lay.shapes))}
+  cache: dict[tuple[int, bool], dict[Any, int]] = {}
+
+  def of(nid: int, forward: bool) -> dict[Any, int]:
+    if (nid, forward) in cache:
+      return cache[(nid, forward)]
+    node = g.nodes[nid]
+    tables = {lk.arg for lk in calls.lookups(nid)}
+    need = None if forward or nid in calls.remat else set(calls.residuals(nid, consts).arg_indices)
+    out = {}
+    for i, v in enumerate(node.invars):
+      if (need is not None and i not in need) or i in tables or v in consts or v not in kinds:
+        continue
+      kind, idx = kinds[v]
+      if kind != graph_lib.PARAM or lay.owner[idx] < 0:
+        continue
+      n = math.prod(lay.shapes[idx])
+      if lay.offset[idx] == 0 and n == length[lay.row_of[idx]]:
+        continue  # fills its slot row: read in place
+      out[("p", idx)] = n * item[idx]
+    cache[(nid, forward)] = out
+    return out
+
+  return lambda d, op: of(op.node, op.kind == "F")
+
+
 def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   """Predicted (and, with `compile`, XLA-compiled) per-device memory of `prog`'s step."""
   lay = prog.layout
@@ -375,9 +423,8 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
         out += max(w.nbytes // W for w in ws)
     return out
 
-  repeated = gradients.repeated_gradient_bytes(prog.structure, prog.graph, lay, lookups)
-  window = max((group_windows(ws or []) + group_rows(n) + r
-                for ws, n, r in zip(per_group, row_lengths, repeated)), default=0)
+  windows = [group_windows(ws or []) + group_rows(n) for ws, n in zip(per_group, row_lengths)]
+  window = max(windows, default=0)
   last = all_windows[-1][-1] if all_windows else None
   fields: dict[str, Any] = {}
   if compile:
@@ -396,12 +443,14 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
     cache[n] = node_calls.task_temp_bytes(prog.calls, n, consts)
   temps = {n: cache[n] for n in scheduled}
   inner = tasks_lib.in_group_bytes(
-    prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1])
+    prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1],
+    copies=param_copies(prog))
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device,
     gradients=params - single_bytes if zero != 2 else row_bytes // W + shared,
     live_peak=max(live, default=0), window=window,
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
+    group_total=max((a + b + w for a, b, w in zip(live, inner, windows)), default=0),
     update_temp=update_temp_bytes(
       prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
       data_shards=W if zero else 1, zero=zero, zero_cuts=prog.zero_cuts if zero else None),

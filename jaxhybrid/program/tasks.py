@@ -416,7 +416,8 @@ def build(
 
 
 def in_group_bytes(
-  structure: Structure, task_temp: Callable[[Op], int] | None = None
+  structure: Structure, task_temp: Callable[[Op], int] | None = None,
+  copies: Callable[[int, Op], dict[Any, int]] | None = None,
 ) -> list[int]:
   """Per group, the largest device's peak bytes of values its branch makes and reads itself,
   plus the running task's own temporaries.
@@ -428,6 +429,10 @@ def in_group_bytes(
   group (one device, one micro-batch) this is the step's whole activation and residual memory.
   `task_temp(op)`: what the task needs beyond its inputs and outputs while it runs (e.g.
   `node_calls.task_temp_bytes`, compiled); None counts nothing.
+  `copies(d, op)`: {key: bytes} of values the task on device d materialises from its inputs
+  outside the group's buffers (a parameter leaf sliced out of its row; `memory.param_copies`).
+  The branch makes one copy per key, alive from the first of the device's tasks in the group
+  that reads it to the last.
   """
   nbytes = {
     key: int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize for key, a in structure.avals.items()
@@ -448,6 +453,12 @@ def in_group_bytes(
           if loc is not None and loc.buf[:2] == ("out", g):
             continue  # leaves the group: a group buffer (live_bytes)
           spans.append((i, max(i, last.get(key, i)), nbytes.get(key, 0)))
+      if copies is not None:
+        span: dict[Any, list[int]] = {}
+        for i, op in enumerate(ops):
+          for key, b in copies(d, op).items():
+            span.setdefault(key, [i, i, b])[1] = i
+        spans.extend(tuple(x) for x in span.values())
       for t, op in enumerate(ops):
         own = task_temp(op) if task_temp is not None else 0
         peak = max(peak, own + sum(b for a, z, b in spans if a <= t <= z))
