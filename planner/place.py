@@ -85,6 +85,11 @@ def place(
   return place_problem(Problem.from_graph(graph, costs, opts), opts)
 
 
+def _held(problem: Problem) -> str:
+  b = problem.transient_bytes
+  return f" after the {b:.0f} held while a gradient task runs" if b else ""
+
+
 def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
   """Raises InfeasibleError when memory cannot fit whatever the placement (k micro-batches'
   residuals alive per node; k = 0: the F/B/W model, one micro-batch per node, static in total)."""
@@ -96,7 +101,8 @@ def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> N
     raise InfeasibleError(
       f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {max(k, 1)} "
       f"micro-batch(es) alive; "
-      f"the largest device cap is {max(caps):.0f} bytes ({mem[biggest] - max(caps):.0f} short): "
+      f"the largest device cap is {max(caps):.0f} bytes{_held(problem)} "
+      f"({mem[biggest] - max(caps):.0f} short): "
       f"{_REMEDY}"
     )
   if k == 0:  # F/B/W: residuals need not all be alive at once; the static bytes must fit
@@ -105,7 +111,8 @@ def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> N
     raise InfeasibleError(
       f"The graph needs {sum(mem):.0f} bytes "
       f"({f'{k} micro-batch(es) alive' if k else 'static'}); the {problem.devices} "
-      f"devices hold {sum(caps):.0f} bytes ({sum(mem) - sum(caps):.0f} short): {_REMEDY}"
+      f"devices hold {sum(caps):.0f} bytes{_held(problem)} ({sum(mem) - sum(caps):.0f} short): "
+      f"{_REMEDY}"
     )
 
 
@@ -134,7 +141,11 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       f"options.devices={opts.devices} but the problem was built for {problem.devices}; "
       "build the problem with the same options."
     )
-  k, lock_caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
+  k, given_caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
+  # The solvers fit rows and residuals under the caps less what every device holds while a
+  # gradient task runs (Problem.transient_bytes); the plan reports the caps as given.
+  lock_caps = None if given_caps is None else tuple(
+    c - problem.transient_bytes for c in given_caps)
   if opts.method == "milp" and opts.solver == "highs":
     milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
   # With the lock-step objective the caps bind the F/B/W schedule's memory over time (fewer
@@ -277,7 +288,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
   if status in ("optimal", "feasible"):
     status = "optimal" if gap <= opts.gap + 1e-9 else "feasible"
   single_s = k * sum(problem.compute_s)
-  extra: dict[str, Any] = {"memory_caps_bytes": tuple(lock_caps or ())}
+  extra: dict[str, Any] = {"memory_caps_bytes": tuple(given_caps or ())}
   if lock is not None:
     choice = lock["choice"]
     extra.update(
@@ -285,7 +296,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       lockstep_step_s=choice.step_s,
       lockstep_speedup=single_s / choice.step_s if choice.step_s > 0 else 1.0,
       lockstep_bound_s=lock["bound"],
-      device_peak_bytes=choice.peak_bytes,
+      device_peak_bytes=tuple(b + problem.transient_bytes for b in choice.peak_bytes),
       lockstep_baselines=lock["baselines"],
       lockstep_found_by=choice.found_by,
     )
@@ -370,5 +381,6 @@ def reprice(plan: Plan, problem: Problem, schedule: Any) -> Plan:
   return dataclasses.replace(
     plan, task_schedule=schedule, lockstep_step_s=step,
     lockstep_speedup=plan.single_device_s / step if step > 0 else 1.0,
-    device_peak_bytes=tuple(price_lib.peak_memory_bytes(problem, plan.assignment, schedule)),
+    device_peak_bytes=tuple(b + problem.transient_bytes
+                            for b in price_lib.peak_memory_bytes(problem, plan.assignment, schedule)),
   )

@@ -135,8 +135,12 @@ def test_the_plans_predicted_step_is_the_price_of_its_schedule(k):
   assert plan.lockstep_step_s == pytest.approx(got, rel=1e-12)
   # ... and what the program's own lock-step model prices for the program the plan builds.
   assert lockstep.plan_step_s(g, plan, cm).step_s == pytest.approx(got, rel=1e-6)
+  # The peak includes what a device holds while a gradient task runs: the largest node's
+  # weights copied out of its row and its gradient window.
+  assert prob.transient_bytes == 2 * max(n.param_bytes for n in g.nodes) > 0
   assert plan.device_peak_bytes == pytest.approx(
-    price.peak_memory_bytes(prob, plan.assignment, plan.task_schedule))
+    [b + prob.transient_bytes
+     for b in price.peak_memory_bytes(prob, plan.assignment, plan.task_schedule)])
   # Never worse than GPipe / 1F1B / ZB-H1 on the best contiguous split; the bound holds.
   assert set(plan.lockstep_baselines) == set(ts.KINDS)
   assert plan.lockstep_step_s <= min(plan.lockstep_baselines.values()) + 1e-15

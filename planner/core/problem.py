@@ -33,6 +33,12 @@ FORWARD_SHARE = 1.0 / 3.0
 INPUT_GRAD_SHARE = 0.5
 # Dtype of the values of hand-built problems (one per edge).
 DEFAULT_VALUE_DTYPE = "float32"
+# Copies of a node's parameters a device holds while the node's gradient task runs, beside its
+# rows and residuals (`Problem.transient_bytes`): the weights sliced out of the device's row and
+# the gradient window the task returns (program.memory: `param_copies`, gradient windows).
+# Looked-up tables are read in place and return row gradients: not counted. An upper figure: a
+# leaf that fills a slot row of its own is read without a copy.
+TASK_PARAM_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +100,11 @@ class Problem:
   # repeats the recurrent cotangent, so then B + W exceeds the backward (costs'
   # `weight_grad_time_s`; BigLSTM's LSTM measured 1.33x on one core).
   weight_grad_task_s: tuple[float, ...] = ()
+  # Bytes every device holds beside its static bytes and residuals while the largest gradient
+  # task runs (TASK_PARAM_COPIES x the largest node's parameters not read by row lookups; the
+  # SPMD program allocates the largest device's on every device); 0 = not modelled. The solvers
+  # see the caps less this; `Plan.device_peak_bytes` includes it.
+  transient_bytes: int = 0
 
   def __post_init__(self):
     n = len(self.names)
@@ -443,7 +454,30 @@ class Problem:
       link_s_per_byte=spb,
       device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
       param_bytes=tuple(int(n.param_bytes) for n in nodes),
+      transient_bytes=TASK_PARAM_COPIES * max(_copied_param_bytes(graph, nodes), default=0),
     )
+
+
+def _copied_param_bytes(graph: Any, nodes: Sequence[Any]) -> list[int]:
+  """Per node, its parameter bytes less the tables it reads only by row lookups (the program
+  reads those in place, `jaxhybrid.program.lookups`); a graph without jaxprs: all of them."""
+  out = [int(n.param_bytes) for n in nodes]
+  node_jaxpr = getattr(graph, "node_jaxpr", None)
+  if node_jaxpr is None or not hasattr(graph, "input_kinds"):
+    return out
+  from jaxhybrid import graph as graph_lib  # noqa: PLC0415 (the graph layer, on real graphs)
+  from jaxhybrid.program import lookups  # noqa: PLC0415
+
+  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
+  for j, n in enumerate(nodes):
+    params = [i for i, v in enumerate(n.invars) if v in kinds and kinds[v][0] == graph_lib.PARAM]
+    if not params:
+      continue
+    for lk in lookups.find(node_jaxpr(n), params):
+      a = n.invars[lk.arg].aval
+      out[j] -= int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    out[j] = max(out[j], 0)
+  return out
 
 
 def _values(
