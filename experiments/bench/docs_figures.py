@@ -79,6 +79,9 @@ def bench_memory() -> str:
   rows += [f"| `{k}` | {s[k]:.3f} |" for k in keys]
   if "prediction_error_max" in s:
     rows.append(f"| `prediction_error_max` (predicted vs compiled) | {_pct(s['prediction_error_max'])} |")
+  if "planner_device_error_max" in s:
+    rows.append("| `planner_device_error_max` (the planner's per-device figure vs compiled) | "
+                f"{_pct(s['planner_device_error_max'])} |")
   return "\n".join(rows) + "\n\nSource: `experiments/results/bench_memory.json` (`summary`)."
 
 
