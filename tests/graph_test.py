@@ -454,3 +454,31 @@ def test_replaying_registry_models_reproduces_loss(name):
   assert len(g.nodes) >= 3
   replayed = jax.jit(lambda p, s, b: _replay(g, p, s, b))(params, state, batch)
   np.testing.assert_allclose(replayed, jax.jit(pure)(params, state, batch), rtol=1e-5)
+
+
+class _EmbedDense(nnx.Module):
+  def __init__(self, rngs):
+    self.emb = nnx.Embed(100, 8, rngs=rngs)
+    self.out = nnx.Linear(8, 4, rngs=rngs)
+
+
+def test_copied_param_bytes_leave_out_tables_read_only_by_row_lookups():
+  """`OpGraph.copied_param_bytes`: an embedding table read by a row gather is not copied by a
+  task (the program reads it in place); a dense layer's kernel and bias are; the same table
+  also multiplied (a tied projection) is copied."""
+  m = _EmbedDense(nnx.Rngs(0))
+
+  def untied(model, ids):
+    return jnp.mean(model.out(model.emb(ids)) ** 2)
+
+  def tied(model, ids):
+    h = model.emb(ids)
+    return jnp.mean((h @ model.emb.embedding[...].T) ** 2) + jnp.mean(model.out(h) ** 2)
+
+  ids = jax.ShapeDtypeStruct((16,), jnp.int32)
+  g = graph.trace(m, untied, ids, max_nodes=1)
+  (node,) = g.nodes
+  assert node.param_bytes == (100 * 8 + 8 * 4 + 4) * 4
+  assert g.copied_param_bytes(node) == (8 * 4 + 4) * 4
+  g = graph.trace(m, tied, ids, max_nodes=1)
+  assert g.copied_param_bytes(g.nodes[0]) == (100 * 8 + 8 * 4 + 4) * 4

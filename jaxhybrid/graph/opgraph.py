@@ -181,6 +181,25 @@ class OpGraph:
 
     return residuals.saved_bytes(self, node)
 
+  def copied_param_bytes(self, node: Node) -> int:
+    """Bytes of the node's parameter leaves a task reads whole (a matmul, a convolution, a loop):
+    all of them but the tables it only looks up by rows (every reader a row gather; the program
+    reads those in place, `jaxhybrid.program.lookups`). The planner prices a gradient task's
+    weight copy and gradient window with it (`Problem.transient_bytes`)."""
+    from jaxhybrid.graph import shard_rules
+
+    kinds = dict(zip(self.jaxpr.invars, self.input_kinds))
+    total = 0
+    for v in dict.fromkeys(node.invars):
+      if kinds.get(v, (None,))[0] != PARAM:
+        continue
+      eqns, _ = shard_rules.inline(node.eqns, {v})
+      readers = [e for e in eqns if any(u is v for u in e.invars)]
+      if readers and all(shard_rules.reader_axis(e, v)[0] == "lookup" for e in readers):
+        continue
+      total += aval_bytes(v.aval)
+    return total
+
   def node_fn(self, node: Node) -> Callable[..., list[Any]]:
     """A function `(*inputs) -> [outputs]` replaying the node's equations."""
     return jex.core.jaxpr_as_fun(self.node_jaxpr(node))

@@ -459,25 +459,12 @@ class Problem:
 
 
 def _copied_param_bytes(graph: Any, nodes: Sequence[Any]) -> list[int]:
-  """Per node, its parameter bytes less the tables it reads only by row lookups (the program
-  reads those in place, `jaxhybrid.program.lookups`); a graph without jaxprs: all of them."""
-  out = [int(n.param_bytes) for n in nodes]
-  node_jaxpr = getattr(graph, "node_jaxpr", None)
-  if node_jaxpr is None or not hasattr(graph, "input_kinds"):
-    return out
-  from jaxhybrid import graph as graph_lib  # noqa: PLC0415 (the graph layer, on real graphs)
-  from jaxhybrid.program import lookups  # noqa: PLC0415
-
-  kinds = dict(zip(graph.jaxpr.invars, graph.input_kinds))
-  for j, n in enumerate(nodes):
-    params = [i for i, v in enumerate(n.invars) if v in kinds and kinds[v][0] == graph_lib.PARAM]
-    if not params:
-      continue
-    for lk in lookups.find(node_jaxpr(n), params):
-      a = n.invars[lk.arg].aval
-      out[j] -= int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-    out[j] = max(out[j], 0)
-  return out
+  """Per node, its parameter bytes less the tables it reads only by row lookups
+  (`OpGraph.copied_param_bytes`); a graph without that method: all of them."""
+  per_node = getattr(graph, "copied_param_bytes", None)
+  if per_node is None:
+    return [int(n.param_bytes) for n in nodes]
+  return [int(per_node(n)) for n in nodes]
 
 
 def _values(
