@@ -43,10 +43,10 @@ FIT_MARGIN = 1.05
 # Assumption, named here: the smallest secant rate used (program bytes saved per byte of cap).
 FIT_MIN_RATE = 0.25
 # Assumption, named here: a program predicted at most this fraction above the cap is compiled
-# and judged by XLA's figure (the prediction's worst error over bench_memory's rows is 9.4 %,
-# on the high side: paper BigLSTM 1x8 with both tables spread, 6.15 GiB predicted, 5.62 GiB
-# compiled, fits a 6 GiB cap the prediction would refuse).
-FIT_COMPILE_BAND = 0.10
+# and judged by XLA's figure: at least the prediction's worst error over bench_memory's rows
+# on the high side (10.05 %, GNMT small 1x8 GPipe k=8; a program compiled just under the cap
+# and predicted that much above it would otherwise be re-planned for nothing).
+FIT_COMPILE_BAND = 0.11
 
 
 @dataclasses.dataclass(frozen=True)
