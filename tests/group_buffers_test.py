@@ -10,7 +10,7 @@ from flax import nnx
 from program_test import build
 
 from jaxhybrid.planner.core import task_schedule
-from jaxhybrid.program import tasks
+from jaxhybrid.program import group_bytes, tasks
 
 
 def _hand_chain(device1_groups, batch):
@@ -56,7 +56,7 @@ def test_group_buffers_of_a_hand_made_schedule_are_counted_as_derived():
     12 * A + 2 * Y + 2 * L,  # g3: g0's receive and g2's message gone; + cotangent receive A
     4 * A + Y + 2 * L,       # g4: g1's message and kept lane, two losses, g3's receive
   ]
-  assert tasks.live_bytes(prog.structure) == expected
+  assert group_bytes.live_bytes(prog.structure) == expected
   report = prog.memory(compile=False)
   assert report.live_peak == max(expected)
   ts = prog.init_state(jax.tree.leaves(p))
@@ -88,7 +88,7 @@ def test_kept_values_share_lanes_by_lifetime_interval_at_least_bytes_times_group
 def test_parameter_copies_are_counted_once_per_group_from_first_to_last_reader():
   """`memory.param_copies`: a task reads its node's leaves sliced out of the device's packed row
   (the chain's leaves are far below the slot-row size), so each is a copy. F of layers/0 copies
-  its 64x64 kernel and 64 biases (float32); `tasks.in_group_bytes` counts a copy once per
+  its 64x64 kernel and 64 biases (float32); `group_bytes.in_group_bytes` counts a copy once per
   device and group however many tasks read it, from the first reader to the last."""
   from jaxhybrid.program import memory
 
@@ -100,11 +100,11 @@ def test_parameter_copies_are_counted_once_per_group_from_first_to_last_reader()
   assert copies(0, F(1, 0)) == copies(0, F(1, 1))  # the same leaves, keyed by leaf
   assert set(copies(0, B(1, 0))) <= set(copies(0, F(1, 0)))
   # Every task reads a 1000-byte copy of one key: each group holds it once on top of the rest.
-  plain = tasks.in_group_bytes(prog.structure)
-  one = tasks.in_group_bytes(prog.structure, copies=lambda d, op: {"w": 1000})
+  plain = group_bytes.in_group_bytes(prog.structure)
+  one = group_bytes.in_group_bytes(prog.structure, copies=lambda d, op: {"w": 1000})
   assert [b - a for a, b in zip(plain, one)] == [1000] * len(plain)
   # With the program's own copies, each group grows by at most its devices' copies summed.
-  real = tasks.in_group_bytes(prog.structure, copies=copies)
+  real = group_bytes.in_group_bytes(prog.structure, copies=copies)
   for g, lay in enumerate(prog.structure.groups):
     most = max(
       sum({k: v for dd, op in lay.tasks if dd == d for k, v in copies(d, op).items()}.values())

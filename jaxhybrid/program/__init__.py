@@ -2,7 +2,9 @@
 
 Owns the hybrid program (`hybrid`: shard_map, per-group `lax.switch` on the model index,
 micro-batches, gradient all-reduce over 'data', optax inside), its static structure from a plan
-(`structure`: parameter layout; `tasks`: slots, groups, buffers, lanes, messages), the tasks run
+(`structure`: parameter layout; `tasks`: slots, groups, buffers, lanes, messages), the memory
+it predicts (`memory`, with `group_bytes`: the bytes each group keeps, and `update_temp`: the
+step's tail measured), the tasks run
 in each group (`executor`), the gradient windows and flat gradient buffers (`gradients`),
 parameter rows owned per device (`param_rows`), the batch shapes a step accepts (`batch_shapes`),
 the lock-step price of a plan as the program runs it (`lockstep`), whether a plan beats one

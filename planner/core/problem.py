@@ -19,9 +19,8 @@ import hashlib
 import json
 from typing import Any, Sequence
 
-import numpy as np
-
-from jaxhybrid.planner.core import dtypes, pieces
+from jaxhybrid.planner.core import dtypes, graph_reads, pieces
+from jaxhybrid.planner.core.graph_reads import DEFAULT_VALUE_DTYPE
 from jaxhybrid.planner.core.options import PlannerOptions
 
 # Share of a node's forward + backward time that is the forward, when a cost model gives only the
@@ -31,8 +30,6 @@ FORWARD_SHARE = 1.0 / 3.0
 # Share of the backward that is the input cotangent (B) when a schedule splits B and W and no
 # split is given (assumption: a matmul's two backward products cost the same).
 INPUT_GRAD_SHARE = 0.5
-# Dtype of the values of hand-built problems (one per edge).
-DEFAULT_VALUE_DTYPE = "float32"
 # Copies of a node's parameters a device holds while the node's gradient task runs, beside its
 # rows and residuals (`Problem.transient_bytes`): the weights sliced out of the device's row and
 # the gradient window the task returns (program.memory: `param_copies`, gradient windows).
@@ -419,7 +416,7 @@ class Problem:
       ig = tuple(min(float(costs.input_grad_time_s(n)), t - f)
                  for n, t, f in zip(nodes, total, fwd))
       wg = tuple(float(costs.weight_grad_time_s(n)) for n in nodes)
-    values = _values(nodes, keys, merged)
+    values = graph_reads.values(nodes, keys, merged)
     link = getattr(costs, "link", None)
     lat = spb = ()
     if link is not None:
@@ -435,7 +432,7 @@ class Problem:
       compute_s=tuple(total),
       static_bytes=tuple(int(round(n.param_bytes * weight)) for n in nodes),
       activation_bytes=tuple(int(round(b * options.activation_factor))
-                             for b in _kept_bytes(graph, nodes, options.activation_model)),
+                             for b in graph_reads.kept_bytes(graph, nodes, options.activation_model)),
       edges=tuple(keys),
       edge_bytes=tuple(merged[k] for k in keys),
       transfer_s=mats,
@@ -454,55 +451,5 @@ class Problem:
       link_s_per_byte=spb,
       device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
       param_bytes=tuple(int(n.param_bytes) for n in nodes),
-      transient_bytes=TASK_PARAM_COPIES * max(_copied_param_bytes(graph, nodes), default=0),
+      transient_bytes=TASK_PARAM_COPIES * max(graph_reads.copied_param_bytes(graph, nodes), default=0),
     )
-
-
-def _copied_param_bytes(graph: Any, nodes: Sequence[Any]) -> list[int]:
-  """Per node, its parameter bytes less the tables it reads only by row lookups
-  (`OpGraph.copied_param_bytes`); a graph without that method: all of them."""
-  per_node = getattr(graph, "copied_param_bytes", None)
-  if per_node is None:
-    return [int(n.param_bytes) for n in nodes]
-  return [int(per_node(n)) for n in nodes]
-
-
-def _values(
-  nodes: Sequence[Any], keys: Sequence[tuple[int, int]], merged: dict[tuple[int, int], int]
-) -> tuple[tuple[int, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:
-  """(value bytes, value dtypes, per edge its value ids) from the nodes' outvars and invars
-  (the variables that cross an edge); an edge whose variables are unknown gets one float32
-  value of its bytes."""
-  ids: dict[Any, int] = {}
-  vbytes: list[int] = []
-  vdtypes: list[str] = []
-  per_edge = []
-  for s, d in keys:
-    outs = list(getattr(nodes[s], "outvars", ()) or ())
-    ins = set(id(v) for v in (getattr(nodes[d], "invars", ()) or ()))
-    crossing = [v for v in outs if id(v) in ins and hasattr(getattr(v, "aval", None), "dtype")]
-    if not crossing:
-      ids[("edge", s, d)] = len(vbytes)
-      vbytes.append(merged[(s, d)])
-      vdtypes.append(DEFAULT_VALUE_DTYPE)
-      per_edge.append((ids[("edge", s, d)],))
-      continue
-    row = []
-    for v in crossing:
-      if id(v) not in ids:
-        ids[id(v)] = len(vbytes)
-        dt = np.dtype(v.aval.dtype)
-        vbytes.append(int(np.prod(v.aval.shape, dtype=np.int64)) * dt.itemsize)
-        vdtypes.append(dt.name)
-      row.append(ids[id(v)])
-    per_edge.append(tuple(row))
-  return tuple(vbytes), tuple(vdtypes), tuple(per_edge)
-
-
-def _kept_bytes(graph: Any, nodes: Sequence[Any], model: str) -> list[int]:
-  """Per node, the bytes it keeps per micro-batch: `graph.saved_bytes(node)` under 'saved' when
-  the graph has it, else the node's outputs."""
-  saved = getattr(graph, "saved_bytes", None)
-  if model == "saved" and saved is not None:
-    return [int(saved(n)) for n in nodes]
-  return [int(n.out_bytes) for n in nodes]
