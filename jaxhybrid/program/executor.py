@@ -191,7 +191,7 @@ def run_groups(
     n = math.prod(layout.shapes[idx])
     off = layout.offset[idx]
     row = rows[layout.row_of[idx]]
-    if off == 0 and n == row.shape[0]:  # a slot row the leaf fills: read in place, no copy
+    if layout.read_in_place(idx):  # a slot row the leaf fills: read in place, no copy
       return row.reshape(layout.shapes[idx])
     return lax.slice(row, (off,), (off + n,)).reshape(layout.shapes[idx])
 

@@ -201,7 +201,6 @@ def param_copies(prog: Any) -> Callable[[int, Any], dict[Any, int]]:
   g, lay, calls = prog.graph, prog.layout, prog.calls
   kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
   consts = dict(zip(g.jaxpr.constvars, g.closed_jaxpr.consts))
-  length = dict(lay.sizes)
   item = {i: np.dtype(lay.dtypes[i]).itemsize for i in range(len(lay.shapes))}
   cache: dict[tuple[int, bool], dict[Any, int]] = {}
 
@@ -218,10 +217,9 @@ def param_copies(prog: Any) -> Callable[[int, Any], dict[Any, int]]:
       kind, idx = kinds[v]
       if kind != graph_lib.PARAM or lay.owner[idx] < 0:
         continue
-      n = math.prod(lay.shapes[idx])
-      if lay.offset[idx] == 0 and n == length[lay.row_of[idx]]:
-        continue  # fills its slot row: read in place
-      out[("p", idx)] = n * item[idx]
+      if lay.read_in_place(idx):
+        continue
+      out[("p", idx)] = math.prod(lay.shapes[idx]) * item[idx]
     cache[(nid, forward)] = out
     return out
 

@@ -89,6 +89,12 @@ class ParamLayout:
       object.__setattr__(self, "row_of", tuple(
         "" if o < 0 else dt for o, dt in zip(self.owner, self.dtypes)))
 
+  def read_in_place(self, idx: int) -> bool:
+    """Whether owned leaf `idx` fills its row, so a task reads the row itself; any other owned
+    leaf is a slice of its row, which XLA copies before a matmul, convolution or loop reads it."""
+    length = dict(self.sizes)[self.row_of[idx]]
+    return self.offset[idx] == 0 and math.prod(self.shapes[idx]) == length
+
   def row_bytes(self) -> int:
     """Bytes of one device's rows (owned leaves and padding)."""
     return sum(n * np.dtype(row_dtype(r)).itemsize for r, n in self.sizes)
