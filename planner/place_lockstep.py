@@ -59,6 +59,7 @@ def lockstep(
     choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
                                f"{opts.method}/{name}")
     choice = spread.spread(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
+    choice = spread.balance(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
     return {"choice": choice, "baselines": {}, "bound": bound}
   extra = []
   budget = clock.rest()
@@ -143,6 +144,7 @@ def lockstep(
       if got.step_s < choice.step_s - 1e-15:
         choice = got
   choice = spread.spread(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
+  choice = spread.balance(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
   return {"choice": choice, "baselines": baselines, "bound": audited_bound(proven, choice.step_s)}
 
 

@@ -1,4 +1,5 @@
-"""Spread a split leaf's pieces, one per device, when the step pays (almost) nothing for it.
+"""Spread a split leaf's pieces, one per device, and balance the devices' rows, when the step
+pays (almost) nothing for it.
 
 A leaf split into M pieces (`jaxhybrid.graph.shard`: shard nodes named `<node>/shard<d>` or
 `<node>/<key>.shard<d>`) divides its memory by M only if the pieces sit on different devices. The
@@ -8,6 +9,10 @@ M rotations "piece d on device (d + r) mod M" (first for every split leaf at onc
 one with the smallest per-device peak memory whose lock-step price stays within `tolerance` of the
 search's price: memory for (nearly) free, never more than that tolerance of step time.
 `spread_seeds` gives the lock-step search the same placements spread from the start.
+
+`balance` does the same for whole nodes: every device allocates the fullest device's rows, so
+moving a node off the fullest device lowers every device's memory; it moves one node at a time
+(the move that lowers the peak most while the price stays within the tolerance).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from typing import Any
 
 from jaxhybrid.planner.core.problem import Problem
 from jaxhybrid.planner.pricing import lockstep_rule
+from jaxhybrid.planner.pricing import price as price_lib
 from jaxhybrid.planner.search import fbw_search
 
+# Assumption (deterministic work limit, no clock): placements the balance pass prices at most.
+BALANCE_MAX_EVALUATIONS = 400
 
 
 def piece_groups(names: Sequence[str], devices: int) -> list[tuple[int, ...]]:
@@ -103,4 +111,47 @@ def spread(
     if spread_already(group):
       continue
     take(option(spread_all(best.assignment, [group], M, r)) for r in range(M))
+  return best
+
+
+def balance(
+  problem: Problem, k: int, caps: Sequence[float] | None, choice: fbw_search.Choice,
+  tolerance: float, kinds: Sequence[str], evaluations: int = BALANCE_MAX_EVALUATIONS,
+) -> fbw_search.Choice:
+  """`choice` with nodes moved off the device that owns the most static bytes (parameters,
+  optimizer state, gradients) while that lowers the per-device peak and the lock-step price
+  stays within `tolerance` of `choice`'s. Each round prices every move of a node with static
+  bytes from the fullest device to another device (largest nodes first) and keeps the one with
+  the lowest peak, then the lowest price; it stops when no move lowers the peak or after
+  `evaluations` priced placements. Deterministic (no clock)."""
+  M = problem.devices
+  if M < 2 or tolerance < 0 or not any(problem.static_bytes):
+    return choice
+  limit = choice.step_s * (1 + tolerance)
+  generated = [x for x in kinds if x != "custom"]
+  best, spent = choice, 0
+  while spent < evaluations:
+    static = price_lib.device_static_bytes(problem, best.assignment)
+    full = max(range(M), key=lambda d: (static[d], -d))
+    movable = sorted((i for i, d in enumerate(best.assignment)
+                      if d == full and problem.static_bytes[i] > 0),
+                     key=lambda i: (-problem.static_bytes[i], i))
+    peak = max(best.peak_bytes or (float("inf"),))
+    options = []
+    for i in movable:
+      for d in sorted(range(M), key=lambda d: (static[d], d)):
+        if d == full or spent >= evaluations:
+          continue
+        a = list(best.assignment)
+        a[i] = d
+        spent += 1
+        got = fbw_search.best_schedule(problem, a, k, caps, kinds=generated)
+        if got is None or got[2] > limit or max(got[3]) >= peak:
+          continue
+        options.append((max(got[3]), got[2], tuple(a), got[1], tuple(got[3])))
+    if not options:
+      break
+    mem, step, a, sch, peaks = min(options, key=lambda o: (o[0], o[1], o[2]))
+    best = dataclasses.replace(best, assignment=a, schedule=sch, step_s=step, peak_bytes=peaks,
+                               found_by=best.found_by.split("+balance")[0] + "+balance")
   return best
