@@ -486,3 +486,59 @@ def test_balance_moves_a_node_off_the_fullest_device_when_the_price_allows():
   assert spread.balance(costly, 1, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
   # No evaluations allowed: nothing is priced, nothing moves.
   assert spread.balance(prob, 1, None, choice, 0.5, ("1f1b",), evaluations=0) == choice
+
+
+@dataclasses.dataclass(frozen=True)
+class _PricedPlan:
+  """The fields `place_shards.lower_memory` reads and writes of a Plan."""
+
+  predicted_step_s: float
+  assignment: tuple
+  device_peak_bytes: tuple
+  node_memory_bytes: tuple = (10.0, 10.0)
+  memory_caps_bytes: tuple = (100.0, 100.0)
+  lower_bound_s: float = 0.5
+  lockstep_bound_s: float = 0.9
+  fused_makespan_s: float = 1.0
+  gap: float = 0.0
+  status: str = "optimal"
+
+  def device_memory(self):
+    mem = [0.0, 0.0]
+    for i, d in enumerate(self.assignment):
+      mem[d] += self.node_memory_bytes[i]
+    return mem
+
+
+def test_lower_memory_keeps_the_lowest_peak_priced_within_the_tolerance(monkeypatch):
+  from jaxhybrid import planner
+
+  # Both nodes' 10 static bytes on device 0, 5 live bytes: peak 25, balanced 15.
+  plan = _PricedPlan(1.0, (0, 0), (25.0, 25.0))
+  assert planner.place_shards.balanced_peak(plan) == 15.0
+  asked = []
+
+  def place(g, costs, devices, memory_caps_bytes, **opts):
+    cap = memory_caps_bytes[0]
+    asked.append(cap)
+    if cap >= 22:  # a balanced plan, 1 % slower: within the tolerance
+      return _PricedPlan(1.01, (0, 1), (15.0, 15.0), lockstep_bound_s=0.95, lower_bound_s=0.6)
+    if cap >= 19:
+      raise planner.InfeasibleError("nothing fits")
+    return _PricedPlan(1.05, (0, 1), (14.0, 14.0))  # lower, but 5 % slower: not kept
+
+  monkeypatch.setattr(planner, "place", place)
+  got = planner.place_shards.lower_memory(None, None, 2, plan, 0.02)
+  assert asked == [22.5, 20.0, 17.5]  # a quarter, half, three quarters of the way to 15
+  assert got.assignment == (0, 1) and got.device_peak_bytes == (15.0, 15.0)
+  assert got.predicted_step_s <= plan.predicted_step_s * 1.02
+  # The caps and bounds of the problem as asked: a bound proven under lower caps does not hold.
+  assert got.memory_caps_bytes == plan.memory_caps_bytes
+  assert got.lockstep_bound_s == 0.9 and got.lower_bound_s == 0.5
+  assert got.gap == pytest.approx(0.5)
+  # No tolerance, or rows already balanced: nothing is re-planned.
+  asked.clear()
+  assert planner.place_shards.lower_memory(None, None, 2, plan, 0.0) is plan
+  balanced = _PricedPlan(1.0, (0, 1), (15.0, 15.0))
+  assert planner.place_shards.lower_memory(None, None, 2, balanced, 0.02) is balanced
+  assert asked == []
