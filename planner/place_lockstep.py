@@ -59,7 +59,6 @@ def lockstep(
     choice = fbw_search.Choice(tuple(best.assignment), schedule, step, tuple(mem),
                                f"{opts.method}/{name}")
     choice = spread.spread(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
-    choice = spread.balance(problem, k, caps, choice, opts.spread_tolerance, opts.schedule_kinds)
     return {"choice": choice, "baselines": {}, "bound": bound}
   extra = []
   budget = clock.rest()

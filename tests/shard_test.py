@@ -459,24 +459,27 @@ def test_co_located_pieces_of_a_leaf_share_a_lockstep_group_as_the_whole_leaf_wo
       assert (group_of(groups, 1, c) == group_of(groups, 2, c)) == together
 
 
-def _balance_problem(transfer_s=1e-6):
-  """a and b (1 ms each, 100 bytes) and c (1 us, 100 bytes, fed by a) on three devices."""
+def _balance_problem(transfer_s=1e-6, names=("a", "b", "c", "t/shard0", "t/shard1", "t/shard2")):
+  """a and b (1 ms each, 100 bytes) and c (1 us, 100 bytes, fed by a) on three devices, beside a
+  leaf split in three pieces (1 us, no bytes of their own; the pass balances problems with split
+  leaves)."""
   from jaxhybrid.planner.core.problem import Problem
 
-  return Problem.build([1e-3, 1e-3, 1e-6], [(0, 2)], devices=3, transfer_s=transfer_s,
-                       names=["a", "b", "c"], memory_bytes=[100, 100, 100])
+  return Problem.build([1e-3, 1e-3, 1e-6, 1e-6, 1e-6, 1e-6], [(0, 2)], devices=3,
+                       transfer_s=transfer_s, names=list(names),
+                       memory_bytes=[100, 100, 100, 0, 0, 0])
 
 
 def test_balance_moves_a_node_off_the_fullest_device_when_the_price_allows():
   from jaxhybrid.planner.search import fbw_search, spread
 
   prob = _balance_problem()
-  start = (0, 1, 0)  # device 0 holds a and c: every device allocates its 200-byte row
+  start = (0, 1, 0, 0, 1, 2)  # device 0 holds a and c: every device allocates its 200-byte row
   name, sch, step, mem = fbw_search.best_schedule(prob, start, 1, None, kinds=("1f1b",))
   assert max(mem) == 200
   choice = fbw_search.Choice(start, sch, step, tuple(mem), "test")
   got = spread.balance(prob, 1, None, choice, tolerance=0.02, kinds=("1f1b",))
-  assert got.assignment == (0, 1, 2)  # c to the device that owns nothing
+  assert got.assignment == (0, 1, 2, 0, 1, 2)  # c to the device that owns nothing
   assert max(got.peak_bytes) == 100 and got.found_by == "test+balance"
   assert got.step_s <= step * 1.02
   # c's input costs more than the tolerance to move: the choice stays as it was.
@@ -486,6 +489,11 @@ def test_balance_moves_a_node_off_the_fullest_device_when_the_price_allows():
   assert spread.balance(costly, 1, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
   # No evaluations allowed: nothing is priced, nothing moves.
   assert spread.balance(prob, 1, None, choice, 0.5, ("1f1b",), evaluations=0) == choice
+  # Whole nodes only (no split leaf): the search's placement is kept.
+  whole = _balance_problem(names=("a", "b", "c", "d", "e", "f"))
+  name, sch, step, mem = fbw_search.best_schedule(whole, start, 1, None, kinds=("1f1b",))
+  choice = fbw_search.Choice(start, sch, step, tuple(mem), "test")
+  assert spread.balance(whole, 1, None, choice, tolerance=0.5, kinds=("1f1b",)) == choice
 
 
 @dataclasses.dataclass(frozen=True)
