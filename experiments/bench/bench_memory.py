@@ -47,7 +47,8 @@ _ZERO_ROWS = flags.DEFINE_list(
   "<model>:<DxM> (chain, or <registry name>:<size>:<DxM>) compiled with each --zero_stages "
   "stage, beside FSDP on the same D x M devices (per-worker batch as the other rows).")
 _PLANNED_ROWS = flags.DEFINE_list(
-  "planned_rows", ["biglstm:paper:4", "biglstm:paper:8", "biglstm:paper:8:7"],
+  "planned_rows", ["biglstm:paper:4", "biglstm:paper:8", "biglstm:paper:8:7", "gnmt:small:4",
+                   "gnmt:small:8", "inception_v3:small:4", "inception_v3:small:8"],
   "<registry name>:<size>:<M>[:<cap GiB>]: the plan `parallelize` makes by default (shard "
   "options on, the hardware's memory cap or the given one, DGX-1 V100 costs), 1F1B with k = M, "
   "compiled on 1 x M; rows '<name>:<size>@planner' ('..._cap<C>GiB' with a cap), summary keys "
