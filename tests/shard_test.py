@@ -489,11 +489,6 @@ def test_balance_moves_a_node_off_the_fullest_device_when_the_price_allows():
   assert spread.balance(costly, 1, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
   # No evaluations allowed: nothing is priced, nothing moves.
   assert spread.balance(prob, 1, None, choice, 0.5, ("1f1b",), evaluations=0) == choice
-  # Whole nodes only (no split leaf): the search's placement is kept.
-  whole = _balance_problem(names=("a", "b", "c", "d", "e", "f"))
-  name, sch, step, mem = fbw_search.best_schedule(whole, start, 1, None, kinds=("1f1b",))
-  choice = fbw_search.Choice(start, sch, step, tuple(mem), "test")
-  assert spread.balance(whole, 1, None, choice, tolerance=0.5, kinds=("1f1b",)) == choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,3 +545,15 @@ def test_lower_memory_keeps_the_lowest_peak_priced_within_the_tolerance(monkeypa
   balanced = _PricedPlan(1.0, (0, 1), (15.0, 15.0))
   assert planner.place_shards.lower_memory(None, None, 2, balanced, 0.02) is balanced
   assert asked == []
+
+
+def test_a_placement_asked_for_by_name_is_not_balanced():
+  """The balance pass follows the MILP search only: planner='single' stays on one device."""
+  from conftest import LIGHT_DETERMINISTIC_PLANNER as DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+
+  model, batch = TableNet(rngs=nnx.Rngs(0)), _table_batch()
+  hy = api.parallelize(model, table_loss, optax.adam(1e-2), batch, mesh="1x2", microbatches=2,
+                       planner="single", planner_options=DETERMINISTIC_PLANNER)
+  assert len(set(hy.plan.assignment)) == 1 and "balance" not in hy.plan.lockstep_found_by

@@ -123,16 +123,12 @@ def balance(
   stays within `tolerance` of `choice`'s. Each round prices every move of a node with static
   bytes from the fullest device to another device (largest nodes first) and keeps the one with
   the lowest peak, then the lowest price; it stops when no move lowers the peak or after
-  `evaluations` priced placements. Deterministic (no clock). Only problems with split leaves
-  (`piece_groups`) are balanced, as the spread pass: there the rows are the pieces' and the
-  tables dominate memory; a problem of whole nodes keeps the search's fastest placement (the
-  program runs the planner's placement as found, which users and plan files rely on).
-  The pass runs after the MILP search only; a heuristic method's placement is kept as it is."""
+  `evaluations` priced placements. Deterministic (no clock). The pass runs after the MILP
+  search only: a placement asked for by name (planner='single', 'interleaved', ...) is kept as
+  the heuristic made it."""
   M = problem.devices
   if M < 2 or tolerance < 0 or not any(problem.static_bytes):
     return choice
-  if not piece_groups(problem.names, M):
-    return choice  # no split leaf: the rows' sizes are the whole nodes' (see docstring)
   limit = choice.step_s * (1 + tolerance)
   generated = [x for x in kinds if x != "custom"]
   best, spent = choice, 0
