@@ -489,6 +489,11 @@ def test_balance_moves_a_node_off_the_fullest_device_when_the_price_allows():
   assert spread.balance(costly, 1, None, choice, tolerance=0.02, kinds=("1f1b",)) == choice
   # No evaluations allowed: nothing is priced, nothing moves.
   assert spread.balance(prob, 1, None, choice, 0.5, ("1f1b",), evaluations=0) == choice
+  # Whole nodes only (no split leaf): the search's placement is kept.
+  whole = _balance_problem(names=("a", "b", "c", "d", "e", "f"))
+  name, sch, step, mem = fbw_search.best_schedule(whole, start, 1, None, kinds=("1f1b",))
+  choice = fbw_search.Choice(start, sch, step, tuple(mem), "test")
+  assert spread.balance(whole, 1, None, choice, tolerance=0.5, kinds=("1f1b",)) == choice
 
 
 @dataclasses.dataclass(frozen=True)
