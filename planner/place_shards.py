@@ -81,10 +81,8 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
     return sharded, True
   tol = PlannerOptions().replace(
     **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
-  if keeps_sharded(sharded, whole, tol, graph=g):
-    return lower_memory(g, costs, devices, sharded, tol, **half), True
   low = lower_memory(g, costs, devices, sharded, tol, **half)
-  if low is not sharded and keeps_sharded(low, whole, tol, graph=g):
+  if keeps_sharded(sharded, whole, tol, graph=g) or keeps_sharded(low, whole, tol, graph=g):
     return low, True
   log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
            _step_price(sharded), _step_price(whole))
