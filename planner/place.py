@@ -86,8 +86,8 @@ def place(
 
 
 def _held(problem: Problem) -> str:
-  b = problem.transient_bytes
-  return f" after the {b:.0f} held while a gradient task runs" if b else ""
+  b = problem.held_bytes
+  return f" after the {b:.0f} every device holds (batch, a gradient task's copies)" if b else ""
 
 
 def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
@@ -142,10 +142,11 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       "build the problem with the same options."
     )
   k, given_caps = opts.microbatches, opts.caps(problem.device_memory_bytes)
-  # The solvers fit rows and residuals under the caps less what every device holds while a
-  # gradient task runs (Problem.transient_bytes); the plan reports the caps as given.
+  # The solvers fit rows and residuals under the caps less what every device holds whatever the
+  # placement (Problem.held_bytes: the batch, a gradient task's copies); the plan reports the
+  # caps as given.
   lock_caps = None if given_caps is None else tuple(
-    c - problem.transient_bytes for c in given_caps)
+    c - problem.held_bytes for c in given_caps)
   if opts.method == "milp" and opts.solver == "highs":
     milp.new_model(opts.solver)  # fails now, not after the heuristics, if HiGHS is missing
   # With the lock-step objective the caps bind the F/B/W schedule's memory over time (fewer
@@ -296,7 +297,7 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       lockstep_step_s=choice.step_s,
       lockstep_speedup=single_s / choice.step_s if choice.step_s > 0 else 1.0,
       lockstep_bound_s=lock["bound"],
-      device_peak_bytes=tuple(b + problem.transient_bytes for b in choice.peak_bytes),
+      device_peak_bytes=tuple(b + problem.held_bytes for b in choice.peak_bytes),
       lockstep_baselines=lock["baselines"],
       lockstep_found_by=choice.found_by,
     )
@@ -381,6 +382,6 @@ def reprice(plan: Plan, problem: Problem, schedule: Any) -> Plan:
   return dataclasses.replace(
     plan, task_schedule=schedule, lockstep_step_s=step,
     lockstep_speedup=plan.single_device_s / step if step > 0 else 1.0,
-    device_peak_bytes=tuple(b + problem.transient_bytes
+    device_peak_bytes=tuple(b + problem.held_bytes
                             for b in price_lib.peak_memory_bytes(problem, plan.assignment, schedule)),
   )

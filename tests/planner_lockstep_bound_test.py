@@ -12,7 +12,7 @@ import pytest
 
 from jaxhybrid import planner
 from jaxhybrid.planner.lower_bounds import placement_bound
-from jaxhybrid.planner.pricing import price
+from jaxhybrid.planner.pricing import lockstep_rule, price
 from jaxhybrid.planner.search import fbw_search
 from jaxhybrid.planner.solvers import child, lockstep_bound
 from jaxhybrid.planner.core import task_schedule as ts
@@ -78,9 +78,7 @@ def _pieces(link: bool) -> Problem:
   """A leaf split in two pieces (`jaxhybrid.graph.shard` names: pre, shard0/1, post) whose
   gradients are each above the lock-step group cap: the group rule lets co-located pieces share
   a group (one gradient unit), which the bound must not undercut."""
-  from jaxhybrid.planner.pricing import lockstep_rule
-
-  big = 2 * lockstep_rule.GROUP_GRAD_BYTES
+  big = _BIG
   prob = Problem.build([0.2, 1.0, 1.0, 0.3, 2.5], [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)],
                        devices=2, transfer_s=[0.1, 0.1, 0.2, 0.2, 0.3],
                        names=["emb/pre", "emb/shard0", "emb/shard1", "emb", "head"],
@@ -96,16 +94,20 @@ def _with_link(prob: Problem) -> Problem:
                              link_s_per_byte=((0.0, 0.01), (0.02, 0.0)))
 
 
-# (problem, link model, k, split, caps)
+_BIG = 2 * lockstep_rule.GROUP_GRAD_BYTES  # a piece's gradient in `_pieces`
+
+# (problem, link model, k, split, caps). The caps exclude placements and orders by the
+# planner's rule (rows + the lock-step groups' buffers, edge bytes and gradient windows
+# included); the chain's and the diamond's also exclude the unconstrained optimum.
 CASES = [
   ("chain", False, 1, False, None),
-  ("chain", False, 2, False, (40, 36)),
+  ("chain", False, 2, False, (110, 102)),
   ("chain", True, 2, False, None),
   ("chain", True, 1, True, None),
-  ("diamond", False, 1, False, (20, 18)),
+  ("diamond", False, 1, False, (140, 136)),
   ("diamond", True, 1, False, None),
-  ("diamond", True, 1, True, (20, 18)),
-  ("pieces", False, 1, False, (20, 24)),
+  ("diamond", True, 1, True, (100, 92)),
+  ("pieces", False, 1, False, (2 * _BIG + 100, _BIG + 60)),
   ("pieces", True, 1, False, None),
 ]
 

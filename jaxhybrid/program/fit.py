@@ -1,12 +1,11 @@
 """Holding a plan to its memory cap as the program allocates it.
 
 The planner counts a device's memory as the longest device's rows (parameters, optimizer state,
-gradient row: every model-axis device allocates rows that long) plus the residuals its own task
-order keeps (`planner.pricing.price.peak_memory_bytes`). The SPMD program allocates more: a
-lock-step group's buffers are as large as the largest device's values in that group, and a node
-keeps more for its backward than its outputs (`jaxhybrid.program.memory`). Paper BigLSTM on 1x8
-under a 7 GiB cap, both tables spread: the planner counted 4.43 GiB on a device, the program
-compiled to 5.98 GiB on every device (its LSTM layers' residuals).
+gradient row: every model-axis device allocates rows that long) plus the lock-step groups'
+buffers at their peak, each as long as its largest device's part
+(`planner.pricing.price.peak_memory_bytes`). The program's figure still differs: the planner
+knows neither the packing of small values nor each task's own temporaries
+(`jaxhybrid.program.memory` does).
 
 `refit` closes that gap: after a plan is built into a program, the program's predicted memory
 (`MemoryReport.predicted`, within 7.5 % of XLA's compiled figure over bench_memory's rows) is

@@ -129,8 +129,9 @@ def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:
   """The planner's memory per device beside the program's compiled (and predicted) memory.
 
   The planner counts, per device, the static bytes (parameters, optimizer state, gradient row)
-  of the device that owns the most (every device allocates rows that long) and the residuals alive
-  over the device's task order (planner.price.peak_memory_bytes).
+  of the device that owns the most (every device allocates rows that long), the leaves several
+  devices read, the lock-step groups' buffers and gradient windows at their peak, and the batch
+  (planner.price.peak_memory_bytes).
   The program is SPMD: its compiled figure is per device and the same on every model-axis device
   (rows padded to the largest device's), so each device's plan figure is compared with it.
   `refits`: the checks of the program's predicted memory against the cap (`program.fit`); more

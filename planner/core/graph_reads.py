@@ -1,6 +1,7 @@
 """What `Problem.from_graph` reads from a graph beyond its nodes' fields, by duck typing (the
 planner imports nothing of the graph layer): the values each edge carries, the bytes a node keeps
-per micro-batch and the parameter bytes a gradient task copies."""
+per micro-batch, the parameter bytes a gradient task copies, the parameter leaves several nodes
+read and the batch's bytes."""
 
 from __future__ import annotations
 
@@ -60,3 +61,40 @@ def kept_bytes(graph: Any, nodes: Sequence[Any], model: str) -> list[int]:
   if model == "saved" and saved is not None:
     return [int(saved(n)) for n in nodes]
   return [int(n.out_bytes) for n in nodes]
+
+
+def _inputs_of(graph: Any, kind: str) -> dict[Any, Any] | None:
+  """The graph's jaxpr inputs of `kind` ('param', 'batch', ...) -> their avals; None for a graph
+  that does not say (no `jaxpr` or `input_kinds`)."""
+  jaxpr = getattr(graph, "jaxpr", None)
+  kinds = getattr(graph, "input_kinds", None)
+  if jaxpr is None or kinds is None:
+    return None
+  return {v: v.aval for v, (k, _) in zip(jaxpr.invars, kinds) if k == kind}
+
+
+def _nbytes(aval: Any) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def shared_params(graph: Any, nodes: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
+  """(bytes, reader node ids) of every parameter leaf more than one node reads. Each reader's
+  `param_bytes` counts the leaf; the program keeps it once per device: on its readers' device,
+  or replicated on every model-axis device when they are on several (`program.structure`: a
+  shared leaf). () for a graph that does not say which leaves its nodes read."""
+  params = _inputs_of(graph, "param")
+  if params is None:
+    return []
+  readers: dict[Any, list[int]] = {}
+  for n in nodes:
+    for v in dict.fromkeys(getattr(n, "invars", ()) or ()):
+      if v in params:
+        readers.setdefault(v, []).append(int(n.id))
+  return [(_nbytes(params[v]), tuple(r)) for v, r in readers.items() if len(r) > 1]
+
+
+def batch_bytes(graph: Any) -> int:
+  """Bytes of the step's batch inputs (every model-axis device holds the whole batch of its data
+  replica); 0 for a graph that does not say."""
+  batch = _inputs_of(graph, "batch")
+  return sum(_nbytes(a) for a in batch.values()) if batch else 0

@@ -102,6 +102,15 @@ class Problem:
   # SPMD program allocates the largest device's on every device); 0 = not modelled. The solvers
   # see the caps less this; `Plan.device_peak_bytes` includes it.
   transient_bytes: int = 0
+  # Parameter leaves more than one node reads: (static bytes, reader nodes) each, the static
+  # bytes counted as `static_bytes` counts parameters (with gradient and optimizer state), and
+  # left out of the readers' `static_bytes`. A device holds such a leaf once: the device of its
+  # readers, or every device when they are on several (the program replicates it;
+  # `price.device_static_bytes`). The solvers, which see `static_bytes` only, see less than that
+  # (a relaxation). () = none.
+  shared_static: tuple[tuple[int, tuple[int, ...]], ...] = ()
+  # Bytes of the batch every model-axis device holds (its data replica's); 0 = not modelled.
+  batch_bytes: int = 0
 
   def __post_init__(self):
     n = len(self.names)
@@ -127,6 +136,8 @@ class Problem:
         raise ValueError(
           f"node {i}: forward_s={f} and input_grad_s={b} must be >= 0 and sum to at most "
           f"compute_s={p}.")
+    if any(not 0 <= r < n for _, readers in self.shared_static for r in readers):
+      raise ValueError("Problem.shared_static names a reader that is not a node.")
     if len(self.edge_values) != len(self.edges):
       raise ValueError("Problem.edge_values needs one entry per edge.")
     if len(self.value_bytes) != len(self.value_dtypes):
@@ -153,6 +164,12 @@ class Problem:
         raise ValueError(f"transfer_s[{e}] must be {self.devices}x{self.devices}.")
     if any(p < 0 for p in self.compute_s):
       raise ValueError("compute_s holds a negative time.")
+
+  @property
+  def held_bytes(self) -> int:
+    """Bytes every device holds whatever the placement: `transient_bytes` + `batch_bytes` (the
+    solvers see the caps less this; `Plan.device_peak_bytes` includes it)."""
+    return int(self.transient_bytes) + int(self.batch_bytes)
 
   @property
   def num_nodes(self) -> int:
@@ -258,6 +275,9 @@ class Problem:
       value_bytes=tuple(self.value_bytes[v] for v in used),
       value_dtypes=tuple(self.value_dtypes[v] for v in used),
       edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
+      shared_static=tuple(
+        (b, tuple(index[r] for r in readers if r in index))
+        for b, readers in self.shared_static if any(r in index for r in readers)),
     )
 
   def scaled_times(self, factor: float) -> Problem:
@@ -365,6 +385,7 @@ class Problem:
     Memory per node (assumption, PlannerOptions): param_bytes * (1 + optimizer_state_factor +
     gradient_factor) held once, plus per micro-batch in flight what the node keeps for its
     backward (`activation_model`: outputs + residuals, or outputs only) * activation_factor.
+    A parameter leaf several nodes read is counted apart, once per device (`shared_static`).
     Parallel edges between the same two nodes are merged (bytes summed).
 
     Args:
@@ -427,10 +448,17 @@ class Problem:
       spb = tuple(tuple(0.0 if a == b else (float(costs.transfer_time_s(probe, a, b)) - lat[a][b])
                         / probe for b in range(M)) for a in range(M))
     hw = getattr(costs, "hardware", None) or link
+    shared = graph_reads.shared_params(graph, nodes)
+    own = [int(n.param_bytes) for n in nodes]
+    for b, readers in shared:
+      for r in readers:
+        own[r] -= b
     return cls(
       names=tuple(str(n.name) for n in nodes),
       compute_s=tuple(total),
-      static_bytes=tuple(int(round(n.param_bytes * weight)) for n in nodes),
+      static_bytes=tuple(int(round(b * weight)) for b in own),
+      shared_static=tuple((int(round(b * weight)), readers) for b, readers in shared),
+      batch_bytes=graph_reads.batch_bytes(graph),
       activation_bytes=tuple(int(round(b * options.activation_factor))
                              for b in graph_reads.kept_bytes(graph, nodes, options.activation_model)),
       edges=tuple(keys),

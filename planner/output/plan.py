@@ -94,8 +94,8 @@ class Plan:
   # MILP's for small problems, else fbw_search.simple_bound); 0.0 = none.
   lockstep_bound_s: float = 0.0
   # Planner memory per device (price.peak_memory_bytes: the longest device's static bytes, as
-  # every device allocates rows that long, + residuals over the device's task order), bytes;
-  # () = not computed.
+  # every device allocates rows that long, + the lock-step groups' buffers and windows at their
+  # peak, + Problem.held_bytes), bytes; () = not computed.
   device_peak_bytes: tuple[float, ...] = ()
   # The caps the plan was made under (bytes per device); () = none.
   memory_caps_bytes: tuple[float, ...] = ()

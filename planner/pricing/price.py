@@ -16,13 +16,23 @@ largest sum over senders of its edges' one-way times.
 `peak_memory_bytes` is the planner's memory of a device as the SPMD program allocates it, the
 same on every model-axis device (so the smallest cap binds): the static bytes (parameters,
 optimizer state, gradient row) of the device that owns the most, since every device allocates
-rows as long as the longest (row padding), plus the largest, over devices, of the peak over the
-device's task order of the residuals of every F(i, c) whose B(i, c) (W(i, c) when split) has not
-finished, since a lock-step group's buffers are as large as the largest device's values. Paper
-BigLSTM on 1x8 with both vocabulary tables whole: two devices own 13.3 GiB, six own nothing, and
-all eight compile to 13.3 GiB. In-flight messages are not counted. The placement solvers cap what
-each device owns (a relaxation of this rule, so their bounds stay valid); their placements are
-kept only when this rule fits.
+rows as long as the longest (row padding), plus the parameter leaves several devices read (the
+program replicates them: `device_static_bytes`), plus the values of the step at their peak,
+the larger of two figures:
+
+- per device, the peak over its task order of the residuals of every F(i, c) whose B(i, c)
+  (W(i, c) when split) has not finished, the largest over devices;
+- on several devices, per lock-step group (`group_peak_bytes`: one conditional, whose operands
+  and results live while it runs), the group buffers alive after it, each as long as
+  its longest device's part (a group's buffers hold every device's values, so the sum over
+  groups of the largest device's part, not the largest device's sum), plus the residuals its
+  branch makes and frees inside, plus the parameter gradients its gradient tasks return.
+
+Paper BigLSTM on 1x8 with both vocabulary tables whole: two devices own 13.3 GiB, six own
+nothing, and all eight compile to 13.3 GiB. GNMT small on 1x8: its groups' buffers and windows
+17 MiB at the peak against 3.4 MiB of one device's residuals. The placement solvers cap what each
+device owns and one device's residuals (a relaxation of this rule, so their bounds stay valid);
+their placements are kept only when this rule fits.
 
 `async_makespan` runs the same per-device orders as soon as their inputs arrive, each edge paying
 its one-way delay (activations forward, cotangents backward). It is what the F/B/W MILP
@@ -34,6 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from jaxhybrid.planner.pricing import lockstep_rule
 from jaxhybrid.planner.core.problem import Problem
@@ -199,22 +211,118 @@ def memory_profile(
   return out
 
 
+def group_peak_bytes(
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule,
+  groups: Sequence[Sequence[tuple[int, Op]]] | None = None,
+) -> list[float]:
+  """Per lock-step group, the bytes of the step's values every device holds while it runs
+  (module docstring), as the program (`jaxhybrid.program.tasks`) lays them out:
+
+  - a value a later group reads leaves its group's conditional in the group's buffers, alive
+    until its last reader's group: F(n, c)'s outputs and residuals (`activation_bytes`) until n's
+    release task (B, or W when split); a value sent to another device, in the receiver's buffer
+    until the consumer's release task (its pullback may keep the argument); a cotangent until
+    the producer's B. A group's buffers are as long as their longest device's part, so after
+    group t each device holds, for every group g <= t, the largest device's bytes of g still to
+    be read;
+  - inside the group's branch: the residuals of the device's F tasks released in the same group,
+    at their peak over the device's order;
+  - the gradient windows the group returns: the parameter bytes its gradient tasks write
+    (`param_bytes`, once per gradient unit), the largest device's.
+
+  `groups`: the schedule's lock-step groups (default `groups_of`).
+  """
+  if groups is None:
+    groups = groups_of(problem, assignment, schedule)
+  group_of = {op: g for g, tasks in enumerate(groups) for _, op in tasks}
+  release = "W" if schedule.split else "B"
+  succs, preds = problem.successors(), problem.predecessors()
+  M, params, units = problem.devices, problem.param_bytes, problem.grad_units
+  # (group, device) -> [(bytes, last group reading them)] of the values leaving the group.
+  leaving: dict[tuple[int, int], list[tuple[float, int]]] = {}
+  inner = [0.0] * len(groups)
+  windows = [0.0] * len(groups)
+  for g, tasks in enumerate(groups):
+    per_device: dict[int, list[Op]] = {}
+    for d, op in tasks:
+      per_device.setdefault(d, []).append(op)
+    for d, ops in per_device.items():
+      alive = peak = 0.0
+      grads: dict[int, int] = {}
+      for op in ops:
+        n, c = op.node, op.microbatch
+        if op.kind == "F":
+          last = group_of[Op(release, n, c)]
+          if last > g:
+            leaving.setdefault((g, d), []).append((problem.activation_bytes[n], last))
+          else:
+            alive += problem.activation_bytes[n]
+          sent: set[tuple[int, int]] = set()
+          for s_, e in succs[n]:
+            b = assignment[s_]
+            if b == d:
+              continue
+            last = max(group_of[Op("F", s_, c)], group_of[Op(release, s_, c)])
+            for v in problem.edge_values[e]:
+              if (v, b) not in sent:
+                sent.add((v, b))
+                leaving.setdefault((g, b), []).append((problem.value_bytes[v], last))
+        elif op.kind == "B":
+          for p_, e in preds[n]:
+            last = group_of[Op("B", p_, c)]
+            if last > g and problem.has_cotangent(e):
+              leaving.setdefault((g, assignment[p_]), []).append(
+                (problem.edge_value_bytes(e, True), last))
+        peak = max(peak, alive)
+        if params and lockstep_rule.is_grad_task(op, schedule.split):
+          grads[units[n]] = grads.get(units[n], 0) + params[n]
+        if op.kind == release and group_of[Op("F", n, c)] == g:
+          alive -= problem.activation_bytes[n]
+      inner[g] = max(inner[g], peak)
+      windows[g] = max(windows[g], float(sum(grads.values())))
+  G = len(groups)
+  held = np.zeros(G)
+  for g in range(G):
+    # by_last[d, t]: device d's bytes of group g read last in group t; reversed cumulative
+    # sums give what is still to be read after each group t >= g.
+    by_last = np.zeros((M, G - g))
+    for d in range(M):
+      for b, last in leaving.get((g, d), ()):
+        by_last[d, max(last, g) - g] += b
+    held[g:] += np.cumsum(by_last[:, ::-1], axis=1)[:, ::-1].max(axis=0)
+  return [float(h) + i + w for h, i, w in zip(held, inner, windows)]
+
+
 def peak_memory_bytes(
   problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
 ) -> list[float]:
   """Per device, the same figure on every device: the longest device's static bytes + the
-  largest peak of `memory_profile` over a device's order (module docstring)."""
+  larger of the largest peak of `memory_profile` over a device's order and, on several devices,
+  the largest `group_peak_bytes` (module docstring). On one device the program's groups are not
+  conditionals: a group buffer dies at its last read, as the residual profile counts it. A
+  schedule that cannot run in lock step is priced by the profile alone."""
   row = max(device_static_bytes(problem, assignment), default=0.0)
   live = max((max(memory_profile(problem.activation_bytes, ops, schedule.split), default=0.0)
               for ops in schedule.devices), default=0.0)
+  if problem.devices > 1:
+    try:
+      live = max(live, max(group_peak_bytes(problem, assignment, schedule), default=0.0))
+    except ValueError:  # no lock-step groups (lockstep_rule): the program cannot run it
+      pass
   return [row + live] * problem.devices
 
 
 def device_static_bytes(problem: Problem, assignment: Sequence[int]) -> list[float]:
-  """Static bytes (parameters, optimizer state, gradient rows) of the nodes each device owns."""
+  """Static bytes (parameters, optimizer state, gradient rows) each device holds: of the nodes
+  it owns, and each parameter leaf several nodes read (`Problem.shared_static`) once, on every
+  device when its readers are on several (the program replicates it)."""
   static = [0.0] * problem.devices
   for i, d in enumerate(assignment):
     static[d] += problem.static_bytes[i]
+  for b, readers in problem.shared_static:
+    where = {assignment[r] for r in readers}
+    for d in (where if len(where) == 1 else range(problem.devices)):
+      static[d] += b
   return static
 
 

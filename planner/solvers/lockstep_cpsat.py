@@ -60,6 +60,8 @@ _UNITS = 1_000_000
 # Memory in units of the largest cap over this many (residuals rounded up, room down: the
 # model is safe).
 _MEMORY_UNITS = 1_000_000
+# Re-solves of a result the CP-SAT model fits but the planner's memory rule does not (`improve`).
+FIT_RETRIES = 2
 # Tasks x groups beyond which the model is not built (its size and build time grow with it).
 MAX_CELLS = 400_000
 # Seconds kept back for the child process to start and import OR-Tools, and the grace after the
@@ -141,7 +143,43 @@ def improve(
   """A schedule with explicit groups for `assignment`, cheaper in lock step than `warm` and
   within `caps`, and its price; None when CP-SAT found none (or the model is too large, or the
   child process failed: logged). Without `deterministic_time`, the run also stops after
-  `stall_s` seconds without a better solution (None: never)."""
+  `stall_s` seconds without a better solution (None: never).
+
+  The model caps rows and one device's residuals, a relaxation of the planner's memory rule
+  (price.peak_memory_bytes adds the groups' buffers as the program lays them out). A result over
+  the caps by that rule is solved again with the model's caps lowered by the excess, up to
+  FIT_RETRIES times (each run with the time left, or the same deterministic time).
+  """
+  t0 = time.monotonic()
+  model_caps = caps
+  for _ in range(FIT_RETRIES + 1):
+    left = time_limit_s - (time.monotonic() - t0)
+    got = _improve(problem, assignment, warm, model_caps, time_limit_s=left, threads=threads,
+                   seed=seed, deterministic_time=deterministic_time, stall_s=stall_s)
+    if got is None:
+      return None
+    sched, p = got
+    if price_lib.fits(problem, assignment, sched, caps):
+      return got
+    over = max(price_lib.peak_memory_bytes(problem, assignment, sched)) - min(caps)
+    model_caps = tuple(c - over for c in model_caps)
+  return None
+
+
+def _improve(
+  problem: Problem,
+  assignment: Sequence[int],
+  warm: TaskSchedule,
+  caps: Sequence[float] | None,
+  *,
+  time_limit_s: float,
+  threads: int,
+  seed: int,
+  deterministic_time: float | None,
+  stall_s: float | None,
+) -> tuple[TaskSchedule, float] | None:
+  """One CP-SAT run of `improve` with `caps` in its model; the result is not checked against
+  the planner's memory rule."""
   t0 = time.monotonic()
   if time_limit_s < _STARTUP_S + _MIN_SOLVE_S:
     return None  # not worth starting OR-Tools
@@ -257,6 +295,6 @@ def improve(
     return None
   log.debug("lock-step CP-SAT %s: %.6g -> %.6g (model %.6g, %d groups, %.1fs)", out["status"],
             warm_price, p, out["objective"] / scale, G, time.monotonic() - t0)
-  if p >= warm_price - 1e-15 or not price_lib.fits(problem, assignment, sched, caps):
+  if p >= warm_price - 1e-15:
     return None
   return sched, p
