@@ -146,6 +146,9 @@ def test_group_buffers_of_a_hand_made_two_device_schedule():
   # Gradient windows: the parameter bytes a group's gradient tasks return, per group.
   with_params = dataclasses.replace(prob, param_bytes=(7, 11))
   assert price.group_peak_bytes(with_params, (0, 1), sch) == [40, 83 + 11, 45 + 7]
+  # A table read by row lookups returns row gradients, not a window (`window_bytes`).
+  looked_up = dataclasses.replace(with_params, window_bytes=(0, 11))
+  assert price.group_peak_bytes(looked_up, (0, 1), sch) == [40, 83 + 11, 45]
 
 
 def test_a_leaf_several_nodes_read_is_held_once_per_device():

@@ -275,3 +275,17 @@ def test_a_placement_asked_for_by_name_is_not_balanced():
   hy = api.parallelize(model, table_loss, optax.adam(1e-2), batch, mesh="1x2", microbatches=2,
                        planner="single", planner_options=DETERMINISTIC_PLANNER)
   assert len(set(hy.plan.assignment)) == 1 and "balance" not in hy.plan.lockstep_found_by
+
+
+def test_lower_memory_keeps_the_faster_of_plans_with_the_same_peak(monkeypatch):
+  from jaxhybrid import planner
+
+  plan = _PricedPlan(1.0, (0, 0), (25.0, 25.0))
+  # Under the first cap a 15.0-byte plan 1 % slower, then a 15.1-byte one 2 % faster (the same
+  # memory within SAME_PEAK), then a 14.9-byte one 1.5 % slower.
+  found = iter([_PricedPlan(1.01, (0, 1), (15.0, 15.0)), _PricedPlan(0.98, (1, 0), (15.1, 15.1)),
+                _PricedPlan(1.015, (0, 1), (14.9, 14.9))])
+  monkeypatch.setattr(planner, "place", lambda *a, **kw: next(found))
+  got = planner.place_shards.lower_memory(None, None, 2, plan, 0.02)
+  assert 14.9 / 15.1 > 1 - planner.place_shards.SAME_PEAK
+  assert got.assignment == (1, 0) and got.predicted_step_s == 0.98

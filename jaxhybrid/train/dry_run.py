@@ -145,8 +145,8 @@ def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:
   if not peaks:
     return out
   gib = float(1 << 30)
-  lines = ["planner memory per device (the fullest device's rows + this device's residuals over "
-           "its task order) vs the program:"]
+  lines = ["planner memory per device (the fullest device's rows + the step's values at their "
+           "peak, group buffers as long as the largest device's + the batch) vs the program:"]
   if len(refits) > 1:
     lines.insert(0, f"re-planned {len(refits) - 1} time(s) under lower planner caps: the program "
                  "needed " + ", ".join(f"{r.program_bytes / gib:.2f}"

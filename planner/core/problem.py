@@ -111,6 +111,10 @@ class Problem:
   shared_static: tuple[tuple[int, tuple[int, ...]], ...] = ()
   # Bytes of the batch every model-axis device holds (its data replica's); 0 = not modelled.
   batch_bytes: int = 0
+  # Per node, the parameter-gradient bytes its gradient task returns as windows of the row: its
+  # parameter bytes less the tables it reads by row lookups (those return row gradients,
+  # scattered into the row); () = param_bytes.
+  window_bytes: tuple[int, ...] = ()
 
   def __post_init__(self):
     n = len(self.names)
@@ -123,6 +127,8 @@ class Problem:
       object.__setattr__(self, "value_bytes", tuple(int(b) for b in self.edge_bytes))
       object.__setattr__(self, "value_dtypes", (DEFAULT_VALUE_DTYPE,) * len(self.edges))
       object.__setattr__(self, "edge_values", tuple((e,) for e in range(len(self.edges))))
+    if self.window_bytes and len(self.window_bytes) != n:
+      raise ValueError(f"Problem.window_bytes has {len(self.window_bytes)} entries for {n} nodes.")
     if self.param_bytes and len(self.param_bytes) != n:
       raise ValueError(f"Problem.param_bytes has {len(self.param_bytes)} entries for {n} nodes.")
     if self.weight_grad_task_s and (len(self.weight_grad_task_s) != n
@@ -270,6 +276,7 @@ class Problem:
       forward_s=tuple(self.forward_s[v] for v in nodes),
       input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
       param_bytes=tuple(self.param_bytes[v] for v in nodes) if self.param_bytes else (),
+      window_bytes=tuple(self.window_bytes[v] for v in nodes) if self.window_bytes else (),
       weight_grad_task_s=(tuple(self.weight_grad_task_s[v] for v in nodes)
                           if self.weight_grad_task_s else ()),
       value_bytes=tuple(self.value_bytes[v] for v in used),
@@ -449,6 +456,7 @@ class Problem:
                         / probe for b in range(M)) for a in range(M))
     hw = getattr(costs, "hardware", None) or link
     shared = graph_reads.shared_params(graph, nodes)
+    copied = graph_reads.copied_param_bytes(graph, nodes)
     own = [int(n.param_bytes) for n in nodes]
     for b, readers in shared:
       for r in readers:
@@ -479,5 +487,6 @@ class Problem:
       link_s_per_byte=spb,
       device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
       param_bytes=tuple(int(n.param_bytes) for n in nodes),
-      transient_bytes=TASK_PARAM_COPIES * max(graph_reads.copied_param_bytes(graph, nodes), default=0),
+      transient_bytes=TASK_PARAM_COPIES * max(copied, default=0),
+      window_bytes=tuple(copied),
     )

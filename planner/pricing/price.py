@@ -42,6 +42,7 @@ says why).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -92,14 +93,30 @@ def task_reads(problem: Problem, schedule: TaskSchedule) -> dict[Op, list[Op]]:
   return out
 
 
+# The last groups `groups_of` made (the searches price a schedule's time and memory in turn):
+# (id(problem), assignment, schedule) -> (problem, groups).
+_GROUPS_MEMO: collections.OrderedDict = collections.OrderedDict()
+_GROUPS_MEMO_SIZE = 8
+
+
 def groups_of(
   problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
-) -> list[list[tuple[int, Op]]]:
-  """The lock-step groups of `schedule` (lockstep_rule.lockstep_groups)."""
+) -> tuple[tuple[tuple[int, Op], ...], ...]:
+  """The lock-step groups of `schedule` (lockstep_rule.lockstep_groups), remembered for the
+  last few (problem, assignment, schedule)."""
+  key = (id(problem), tuple(assignment), schedule)
+  hit = _GROUPS_MEMO.get(key)
+  if hit is not None and hit[0] is problem:
+    _GROUPS_MEMO.move_to_end(key)
+    return hit[1]
   _, groups = lockstep_rule.lockstep_groups(
     schedule, problem.edges, assignment, task_reads(problem, schedule),
     grad_bytes=problem.param_bytes or None, grad_unit=problem.grad_units)
-  return groups
+  out = tuple(tuple(g) for g in groups)
+  _GROUPS_MEMO[key] = (problem, out)
+  while len(_GROUPS_MEMO) > _GROUPS_MEMO_SIZE:
+    _GROUPS_MEMO.popitem(last=False)
+  return out
 
 
 def _messages(
@@ -227,8 +244,8 @@ def group_peak_bytes(
     be read;
   - inside the group's branch: the residuals of the device's F tasks released in the same group,
     at their peak over the device's order;
-  - the gradient windows the group returns: the parameter bytes its gradient tasks write
-    (`param_bytes`, once per gradient unit), the largest device's.
+  - the gradient windows the group returns: the parameter bytes its gradient tasks write as
+    windows (`window_bytes`, else `param_bytes`; once per gradient unit), the largest device's.
 
   `groups`: the schedule's lock-step groups (default `groups_of`).
   """
@@ -237,7 +254,8 @@ def group_peak_bytes(
   group_of = {op: g for g, tasks in enumerate(groups) for _, op in tasks}
   release = "W" if schedule.split else "B"
   succs, preds = problem.successors(), problem.predecessors()
-  M, params, units = problem.devices, problem.param_bytes, problem.grad_units
+  M, units = problem.devices, problem.grad_units
+  params = problem.window_bytes or problem.param_bytes
   # (group, device) -> [(bytes, last group reading them)] of the values leaving the group.
   leaving: dict[tuple[int, int], list[tuple[float, int]]] = {}
   inner = [0.0] * len(groups)
