@@ -46,9 +46,8 @@ def values(
     for v in crossing:
       if id(v) not in ids:
         ids[id(v)] = len(vbytes)
-        dt = np.dtype(v.aval.dtype)
-        vbytes.append(int(np.prod(v.aval.shape, dtype=np.int64)) * dt.itemsize)
-        vdtypes.append(dt.name)
+        vbytes.append(_nbytes(v.aval))
+        vdtypes.append(np.dtype(v.aval.dtype).name)
       row.append(ids[id(v)])
     per_edge.append(tuple(row))
   return tuple(vbytes), tuple(vdtypes), tuple(per_edge)

@@ -229,8 +229,7 @@ def memory_profile(
 
 
 def group_peak_bytes(
-  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule,
-  groups: Sequence[Sequence[tuple[int, Op]]] | None = None,
+  problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
 ) -> list[float]:
   """Per lock-step group, the bytes of the step's values every device holds while it runs
   (module docstring), as the program (`jaxhybrid.program.tasks`) lays them out:
@@ -246,11 +245,8 @@ def group_peak_bytes(
     at their peak over the device's order;
   - the gradient windows the group returns: the parameter bytes its gradient tasks write as
     windows (`window_bytes`, else `param_bytes`; once per gradient unit), the largest device's.
-
-  `groups`: the schedule's lock-step groups (default `groups_of`).
   """
-  if groups is None:
-    groups = groups_of(problem, assignment, schedule)
+  groups = groups_of(problem, assignment, schedule)
   group_of = {op: g for g, tasks in enumerate(groups) for _, op in tasks}
   release = "W" if schedule.split else "B"
   succs, preds = problem.successors(), problem.predecessors()

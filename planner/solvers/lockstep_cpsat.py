@@ -158,10 +158,11 @@ def improve(
                    seed=seed, deterministic_time=deterministic_time, stall_s=stall_s)
     if got is None:
       return None
-    sched, p = got
-    if price_lib.fits(problem, assignment, sched, caps):
+    if caps is None:
       return got
-    over = max(price_lib.peak_memory_bytes(problem, assignment, sched)) - min(caps)
+    over = max(price_lib.peak_memory_bytes(problem, assignment, got[0])) - min(caps)
+    if over <= 0:  # price.fits: every device's peak within the smallest cap
+      return got
     model_caps = tuple(c - over for c in model_caps)
   return None
 
