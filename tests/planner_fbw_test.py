@@ -417,3 +417,40 @@ def test_lockstep_annealing_stops_by_patience_and_repeats_itself(monkeypatch):
   # It stopped by patience (the clock would have allowed far more) and improved on the seed.
   assert runs[0][2] < fbw_search.ANNEAL_COOL_MOVES + 40 * 50
   assert runs[0][1] < real(prob, (0,) * prob.num_nodes, 2, None)[2]
+
+
+def test_contiguous_splits_priced_are_capped_and_rows_over_the_cap_skipped(monkeypatch):
+  """The search prices the CONTIGUOUS_SPLITS most balanced contiguous splits (each schedule
+  kind once), however much time is left; a split whose fullest row alone is over a cap is
+  skipped without generating its schedules."""
+  n = fbw_search.CONTIGUOUS_SPLITS + 36  # M = 2: n contiguous splits
+  prob = Problem.build([1.0 + (i % 3) for i in range(n)], [(i, i + 1) for i in range(n - 1)],
+                       devices=2, transfer_s=0.01, memory_bytes=[10] * n,
+                       activation_bytes=[1] * n)
+  assert len(fbw_search.contiguous_splits(prob)) == n
+  made = []
+  real = ts.generate
+
+  def counting(kind, *args, **kwargs):
+    made.append(kind)
+    return real(kind, *args, **kwargs)
+
+  monkeypatch.setattr(ts, "generate", counting)
+  for evaluations in (0, None):  # deterministic, and clock-limited with the clock far away
+    made.clear()
+    choice, baselines = fbw_search.search(prob, 2, None, {}, time_limit_s=600.0,
+                                          evaluations=evaluations, kinds=("1f1b",), patience=0)
+    assert made[:3 * fbw_search.CONTIGUOUS_SPLITS].count("1f1b") == fbw_search.CONTIGUOUS_SPLITS
+    assert set(baselines) == set(ts.KINDS)
+    if evaluations == 0:  # no annealing move: the best split is the result
+      assert len(made) == 3 * fbw_search.CONTIGUOUS_SPLITS
+      assert choice.found_by.startswith("contiguous")
+  # Caps below the most balanced split's fullest row (half the parameters): nothing generated.
+  made.clear()
+  row = price.device_static_bytes(prob, fbw_search.contiguous_splits(prob)[0])
+  caps = (max(row) - 1,) * 2
+  assert min(max(price.device_static_bytes(prob, a))
+             for a in fbw_search.contiguous_splits(prob)) == max(row)
+  choice, baselines = fbw_search.search(prob, 2, caps, {}, time_limit_s=600.0, evaluations=0,
+                                        kinds=("1f1b",))
+  assert choice is None and baselines == {} and made == []
