@@ -99,17 +99,19 @@ def lockstep(
       families=families)
     proven["transfers"] = paying.bound
   bound = max(proven.values())
-  # The fused search's placements, the shortest fused makespan first (priced first if time is short).
-  seeds = {name: (c.assignment, order(c))
-           for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))}
-  if paying is not None:
-    seeds.update({f"transfers_{family}": (a, None) for family, a in paying.placements.items()})
+  # The caller's placements first, then the fused search's, the shortest fused makespan first
+  # (priced in this order while time is left).
+  seeds = {}
   for i, a in enumerate(opts.seed_assignments):
     if len(a) != problem.num_nodes or not all(0 <= int(d) < problem.devices for d in a):
       raise ValueError(f"seed_assignments[{i}] places {len(a)} nodes on devices "
                        f"{sorted(set(a))}: the problem has {problem.num_nodes} nodes on "
                        f"{problem.devices} devices")
     seeds[f"given_{i}"] = (tuple(int(d) for d in a), None)
+  seeds.update({name: (c.assignment, order(c))
+                for name, c in sorted(found.items(), key=lambda kv: (kv[1].makespan, kv[0]))})
+  if paying is not None:
+    seeds.update({f"transfers_{family}": (a, None) for family, a in paying.placements.items()})
   seeds.update(spread.spread_seeds(problem, seeds))
   # Time kept for choosing the groups (lockstep_cpsat) after the search.
   grouping = (problem.devices > 1 and "custom" in opts.schedule_kinds
