@@ -454,3 +454,26 @@ def test_contiguous_splits_priced_are_capped_and_rows_over_the_cap_skipped(monke
   choice, baselines = fbw_search.search(prob, 2, caps, {}, time_limit_s=600.0, evaluations=0,
                                         kinds=("1f1b",))
   assert choice is None and baselines == {} and made == []
+
+
+def test_a_node_without_parameters_never_splits_a_group_by_the_gradient_cap():
+  """The gradient cap counts only tasks that write a parameter gradient: the backward of a node
+  without parameters (a split leaf's pre or post node) joins the group of a large gradient,
+  where a node with parameters starts a new one; explicit groups follow the same rule."""
+  edges = [(0, 1), (1, 2)]
+  assignment = [0, 0, 0]
+  sched = ts.generate("1f1b", 3, edges, assignment, 1, 1, forward_s=[1.0] * 3)
+  _, groups = lockstep_rule.lockstep_groups(sched, edges, assignment, {},
+                                            grad_bytes=[50, 0, 100], group_grad_bytes=60)
+  names = [[f"{op.kind}{op.node}" for _, op in g] for g in groups]
+  assert names == [["F0", "F1", "F2", "B2", "B1"], ["B0"]]
+  _, groups = lockstep_rule.lockstep_groups(sched, edges, assignment, {},
+                                            grad_bytes=[50, 10, 100], group_grad_bytes=60)
+  assert [[f"{op.kind}{op.node}" for _, op in g] for g in groups] == [
+    ["F0", "F1", "F2", "B2"], ["B1", "B0"]]
+  explicit = dataclasses.replace(sched, groups=((0, 0, 0, 0, 0, 1),))
+  lockstep_rule.lockstep_groups(explicit, edges, assignment, {}, grad_bytes=[50, 0, 100],
+                                group_grad_bytes=60)
+  with pytest.raises(ValueError, match="gradient"):
+    lockstep_rule.lockstep_groups(explicit, edges, assignment, {}, grad_bytes=[50, 10, 100],
+                                  group_grad_bytes=60)

@@ -220,8 +220,8 @@ def _improve(
   for j, group in enumerate(warm_groups):
     for _, o in group:
       hint[index[o]] = j
-  grad_task = [lockstep_rule.is_grad_task(o, split) for o in ops]
   params = problem.param_bytes or None
+  grad_task = [lockstep_rule.writes_grads(o, split, params) for o in ops]
   # Per gradient task, its unit (the pieces of one split leaf share one) and the bytes the
   # unit's nodes on its device write (an upper bound on what a group holds of that unit).
   gunit = problem.grad_units
