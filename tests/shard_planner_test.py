@@ -150,13 +150,14 @@ def test_a_seed_placement_of_the_wrong_size_is_refused():
 
 def test_co_located_pieces_of_a_leaf_share_a_lockstep_group_as_the_whole_leaf_would():
   """Two pieces above the group's gradient cap on one device: as one leaf's gradient they may
-  leave one group together (the unit rule); two unrelated nodes of that size may not."""
+  leave one group together (the unit rule, which also holds the post node that keeps the cut
+  node's name); two unrelated nodes of that size may not."""
   from jaxhybrid.planner.pricing import lockstep_rule, price
   from jaxhybrid.planner.search import fbw_search
 
   big = 2 * lockstep_rule.GROUP_GRAD_BYTES
   prob = dataclasses.replace(_piece_problem(), param_bytes=(0, big, big, 0, 10))
-  assert lockstep_rule.grad_units(prob.names) == [0, 1, 1, 3, 4]
+  assert lockstep_rule.grad_units(prob.names) == [0, 1, 1, 1, 4]
   whole = (0, 0, 0, 0, 1)
   _, sch, _, _ = fbw_search.best_schedule(prob, whole, 2, None, kinds=("1f1b",))
 
@@ -170,6 +171,18 @@ def test_co_located_pieces_of_a_leaf_share_a_lockstep_group_as_the_whole_leaf_wo
                                               grad_bytes=prob.param_bytes, grad_unit=units)
     for c in range(2):
       assert (group_of(groups, 1, c) == group_of(groups, 2, c)) == together
+
+
+def test_the_nodes_cut_from_one_node_are_one_gradient_unit():
+  """Pieces of every split leaf of one node and the post node that keeps its name share the
+  first piece's unit; the pre node (no parameters) and other nodes are their own, also when a
+  name only starts like the cut node's."""
+  from jaxhybrid.planner.pricing import lockstep_rule
+
+  names = ["enc/l0/pre", "enc/l0/kernel.shard0", "enc/l0/kernel.shard1", "enc/l0/bias.shard0",
+           "enc/l0/bias.shard1", "enc/l0", "enc/l0b", "emb/shard0", "emb/shard1", "emb", "head"]
+  assert lockstep_rule.grad_units(names) == [0, 1, 1, 1, 1, 1, 6, 7, 7, 7, 10]
+  assert lockstep_rule.grad_units(["a", "b"]) == [0, 1]
 
 
 def _balance_problem(transfer_s=1e-6, names=("a", "b", "c", "t/shard0", "t/shard1", "t/shard2")):
