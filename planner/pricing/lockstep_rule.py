@@ -33,8 +33,8 @@ def is_grad_task(op: Op, split: bool) -> bool:
 
 def writes_grads(op: Op, split: bool, grad_bytes: Sequence[int] | None) -> bool:
   """Whether `op` is a gradient task of a node with parameters (`grad_bytes` None: unknown, any
-  gradient task). A node without parameters (a split leaf's pre or post node, an activation)
-  writes no gradient window, so its tasks never split a group by the gradient cap: on paper
+  gradient task). A node without parameters (a split leaf's pre node, an activation) writes
+  no gradient window, so its tasks never split a group by the gradient cap: on paper
   BigLSTM 1x8 the softmax's pre node, after its pieces' backward, started a group of its own
   and kept the two LSTM devices out of each other's groups (the plan priced 35 % over its
   whole-leaf twin)."""
