@@ -38,25 +38,30 @@ def whole_on_split(whole: Plan, graph: Any) -> tuple[int, ...]:
 
 
 def keeps_sharded(sharded: Plan, whole: Plan, tolerance: float | None = None,
-                  graph: Any = None) -> bool:
-  """Whether the sharded graph's plan is kept over the placement-only one: priced faster, or at
-  most `tolerance` (default `PlannerOptions.spread_tolerance`) slower with a smaller peak. Given
-  the split `graph`, a plan that keeps every leaf's pieces on one device (the whole plan plus the
-  split's own nodes) is kept only when priced faster by more than the tolerance: BigLSTM small
-  on 2 pinned cores, priced 0.1 % faster than its whole-leaf twin, measured 1.010x and 0.981x
-  its step in two runs (noise), so the simpler program is kept."""
-  tol = PlannerOptions().spread_tolerance if tolerance is None else tolerance
+                  graph: Any = None, min_saving: float | None = None) -> bool:
+  """Whether the sharded graph's plan is kept over the placement-only one: priced faster by more
+  than `tolerance` (default `PlannerOptions.spread_tolerance`), or priced at most `tolerance`
+  slower with a per-device peak at least `min_saving` (`PlannerOptions.shard_min_memory_saving`)
+  below the placement-only plan's. A small price edge does not earn the split's extra groups and
+  messages (GNMT small on 2 pinned cores: priced 0.5 % faster, ran 10 % slower). Given the split
+  `graph`, a plan that keeps every leaf's pieces on one device (the whole plan plus the split's
+  own nodes) divides no memory, so only the first rule can keep it."""
+  opts = PlannerOptions()
+  tol = opts.spread_tolerance if tolerance is None else tolerance
+  saving = opts.shard_min_memory_saving if min_saving is None else min_saving
+  if _step_price(sharded) < _step_price(whole) * (1 - tol):
+    return True
   if graph is not None and not spreads(sharded, graph):
-    return _step_price(sharded) < _step_price(whole) * (1 - tol)
-  return (_step_price(sharded) < _step_price(whole)
-          or (_step_price(sharded) <= _step_price(whole) * (1 + tol)
-              and _peak(sharded) < _peak(whole)))
+    return False
+  return (_step_price(sharded) <= _step_price(whole) * (1 + tol)
+          and _peak(sharded) < _peak(whole) * (1 - saving))
 
 
 def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts: Any) -> tuple[Plan, bool]:
   """Plans the graph with shard options and the graph with every leaf whole, each in half the
-  time limit, and keeps the sharded plan (with its graph) when it is faster, or at most
-  `spread_tolerance` slower with less memory per device. Sharding must earn its place: the
+  time limit, and keeps the sharded plan (with its graph) as `keeps_sharded` says: faster by more
+  than `spread_tolerance`, or at most that much slower with `shard_min_memory_saving` less memory
+  per device. Sharding must earn its place: the
   larger problem's search can end above the placement-only optimum. A problem only the sharded
   graph fits is planned sharded. Returns (plan, whether it is the sharded graph's)."""
   from jaxhybrid import planner  # through the package, as callers (and tests) see `place`
@@ -79,10 +84,12 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
     return whole, False
   if whole is None:
     return sharded, True
-  tol = PlannerOptions().replace(
-    **{k: v for k, v in opts.items() if k == "spread_tolerance"}).spread_tolerance
+  chosen = PlannerOptions().replace(
+    **{k: v for k, v in opts.items() if k in ("spread_tolerance", "shard_min_memory_saving")})
+  tol, saving = chosen.spread_tolerance, chosen.shard_min_memory_saving
   low = lower_memory(g, costs, devices, sharded, tol, **half)
-  if keeps_sharded(sharded, whole, tol, graph=g) or keeps_sharded(low, whole, tol, graph=g):
+  if (keeps_sharded(sharded, whole, tol, graph=g, min_saving=saving)
+      or keeps_sharded(low, whole, tol, graph=g, min_saving=saving)):
     return low, True
   log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
            _step_price(sharded), _step_price(whole))

@@ -11,10 +11,11 @@ from flax import nnx
 from shard_test import TableNet, _table_batch, table_loss
 
 
-def test_a_split_kept_on_one_device_must_be_faster_by_the_tolerance():
-  """Pieces of every leaf on one device are the whole plan plus the split's own nodes: such a
-  plan is kept only when priced faster than the whole plan by more than spread_tolerance; a
-  plan that spreads a leaf keeps the faster-or-within-tolerance-and-smaller rule."""
+def test_a_sharded_plan_must_be_faster_by_the_tolerance_or_save_enough_memory():
+  """A sharded plan is kept when priced faster than the whole plan by more than
+  spread_tolerance, or within it with a peak at least shard_min_memory_saving lower. Pieces of
+  every leaf on one device are the whole plan plus the split's own nodes: only speed keeps such
+  a plan."""
   import types
 
   from jaxhybrid import planner
@@ -34,12 +35,22 @@ def test_a_split_kept_on_one_device_must_be_faster_by_the_tolerance():
   assert not planner.place_shards.spreads(plan(1, together, 1), g)
   assert not planner.keeps_sharded(plan(0.999, together, 5), whole, tol, graph=g)
   assert planner.keeps_sharded(plan(0.97, together, 5), whole, tol, graph=g)
-  assert planner.keeps_sharded(plan(0.999, apart, 20), whole, tol, graph=g)
-  assert planner.keeps_sharded(plan(1.01, apart, 5), whole, tol, graph=g)  # less memory
+  # A price edge within the tolerance does not keep a plan that needs more memory.
+  assert not planner.keeps_sharded(plan(0.999, apart, 20), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(0.97, apart, 20), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(1.01, apart, 5), whole, tol, graph=g)  # half the memory
   assert not planner.keeps_sharded(plan(1.01, apart, 20), whole, tol, graph=g)
   assert not planner.keeps_sharded(plan(1.03, apart, 5), whole, tol, graph=g)
+  # 5 % less memory is below the default 10 % saving, above a 4 % one.
+  assert planner.PlannerOptions().shard_min_memory_saving == 0.10
+  assert not planner.keeps_sharded(plan(1.01, apart, 9.5), whole, tol, graph=g)
+  assert not planner.keeps_sharded(plan(0.999, apart, 9.5), whole, tol, graph=g)
+  assert planner.keeps_sharded(plan(1.01, apart, 9.5), whole, tol, graph=g, min_saving=0.04)
   # Without the graph, the spread is not known: the general rule.
   assert planner.keeps_sharded(plan(0.999, together, 5), whole, tol)
+  assert not planner.keeps_sharded(plan(0.999, together, 9.5), whole, tol)
+  with pytest.raises(ValueError, match="shard_min_memory_saving"):
+    planner.PlannerOptions(shard_min_memory_saving=1.0)
 
 
 def _piece_problem(piece_s=1e-3, transfer_s=1e-4):

@@ -183,9 +183,17 @@ class PlannerOptions:
   shard_min_fraction: float = 0.1
   # Assumption: the pieces of a split leaf are spread one per device (dividing its memory by M)
   # when that prices at most this fraction above the fastest plan found (search/spread.py), and
-  # `parallelize` keeps a sharded plan over the placement-only one when it is at most this much
-  # slower and needs less memory per device. 0: the fastest plan only.
+  # `parallelize` keeps a sharded plan over the placement-only one when it is priced faster by
+  # more than this fraction, or at most this much slower and needs at least
+  # shard_min_memory_saving less memory per device. 0: the fastest plan only.
   spread_tolerance: float = 0.02
+  # Assumption: a sharded plan kept for its memory (priced within spread_tolerance of the
+  # placement-only plan) needs at least this fraction less per device. Its extra groups and
+  # messages are where the price misses most: on 2 pinned cores GNMT small's sharded plan
+  # (30 groups, 75 messages; priced 0.5 % faster, 18 % more memory) ran 10 % slower than the
+  # placement-only one (6 groups, 19 messages), BigLSTM small's (2.8 % less memory, priced
+  # 0.5 % slower) 1.2 % slower; paper BigLSTM on 1x8 halves its memory at an equal price.
+  shard_min_memory_saving: float = 0.10
   # Placements (node -> device) that seed the lock-step search besides the fused search's: the
   # plan is then never priced above the best of them (`parallelize` passes the placement-only
   # plan, mapped onto the sharded graph).
@@ -219,6 +227,9 @@ class PlannerOptions:
       raise ValueError(f"activation_model={self.activation_model!r}: use 'saved' or 'outputs'.")
     if not 0.0 <= self.spread_tolerance < 1.0:
       raise ValueError(f"spread_tolerance={self.spread_tolerance!r}: use a fraction in [0, 1).")
+    if not 0.0 <= self.shard_min_memory_saving < 1.0:
+      raise ValueError(f"shard_min_memory_saving={self.shard_min_memory_saving!r}: use a fraction "
+                       "in [0, 1).")
     if not 0.0 <= self.shard_min_fraction <= 1.0:
       raise ValueError(f"shard_min_fraction={self.shard_min_fraction!r}: use a fraction in [0, 1].")
     bad = set(self.schedule_kinds) - {"gpipe", "1f1b", "zb", "custom"}
