@@ -109,7 +109,8 @@ def role_trace(work: pathlib.Path) -> None:
     state, m = fn(state, shards)
     jax.block_until_ready((state, m))
   jax.profiler.stop_trace()
-  (folder / "steps.json").write_text(json.dumps({"step_s": times, "minor_faults_per_step": faults}))
+  (folder / "steps.json").write_text(json.dumps({"step_s": times, "minor_faults_per_step": faults,
+                                                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}))
 
 
 STEP_EVENT = "ThunkExecutor::Execute (wait for completion)"  # one per executed step (XLA:CPU)
@@ -286,7 +287,9 @@ def driver() -> dict:
     "cut_into_groups": cut,
   }
   return {"model": FLAGS.model, "plan": str(_plan_path(work)), "schedule": FLAGS.schedule, **cfg,
-          "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "processes": steps,
+          # what the traced processes ran with (localcluster's malloc tunables), not the driver
+          "glibc_tunables": ([p.pop("glibc_tunables", None) for p in steps] or [None])[0],
+          "processes": steps,
           "totals": totals, "groups": groups}
 
 
