@@ -271,6 +271,8 @@ def driver() -> dict:
     ppermute.append(pp)
     steps.append(json.loads((folder / "steps.json").read_text()))
     steps[-1]["traced_step_s"] = step_s
+    # what the traced processes ran with (localcluster's malloc tunables), not the driver
+    tunables = steps[-1].pop("glibc_tunables", None)
   cut = all(d is not None for d in per_device)
   groups = [{**pr, "busy_s": [d[gi]["busy_s"] for d in per_device] if cut else None,
              "ppermute_s": [d[gi]["ppermute_s"] for d in per_device] if cut else None}
@@ -287,10 +289,7 @@ def driver() -> dict:
     "cut_into_groups": cut,
   }
   return {"model": FLAGS.model, "plan": str(_plan_path(work)), "schedule": FLAGS.schedule, **cfg,
-          # what the traced processes ran with (localcluster's malloc tunables), not the driver
-          "glibc_tunables": ([p.pop("glibc_tunables", None) for p in steps] or [None])[0],
-          "processes": steps,
-          "totals": totals, "groups": groups}
+          "glibc_tunables": tunables, "processes": steps, "totals": totals, "groups": groups}
 
 
 def main(argv):
