@@ -11,12 +11,15 @@ bandwidth) and the per-byte update, addition and fill passes. Per model:
    and B tasks apart, --task_profiles), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
    heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
-2. (2 processes) the --autotune best-predicted candidate plans run as the hybrid program on mesh
-   1x2 and the fastest is the run's plan (each candidate's prediction and time are in
-   `candidates`, so the model is checked on every plan timed, not only the fastest); a plain `jax.jit`
-   data-parallel step and the hybrid program are timed on mesh 2x1; a GSPMD tensor-parallel
-   `jax.jit` step (each weight sharded over 'model' on its largest divisible dimension) is timed
-   on mesh 1x2.
+2. (2 processes per configuration, started for it and ended after it: one program per process,
+   as a user runs it) the plain one-device step (each process on its own core at once), the
+   --autotune best-predicted candidate plans as the hybrid program on mesh 1x2, the one-device
+   step again (the two one-device runs bracket the candidates: their difference is the drift
+   over the stage), then the baselines; the fastest candidate is the run's plan (each
+   candidate's prediction and time are in `candidates`, so the model is checked on every plan
+   timed, not only the fastest); a plain `jax.jit` data-parallel step and the hybrid program are
+   timed on mesh 2x1; a GSPMD tensor-parallel `jax.jit` step (each weight sharded over 'model' on
+   its largest divisible dimension) and FSDP on the same two devices.
 Models: inception_v3, gnmt, biglstm (registry, --size) and chain (8 equal tanh layers of 256, batch
 8192, k=8: a uniform pipeline of 1024-row micro-batches; `--set width=1024 --batch=512` is the
 earlier chain, whose 64-row micro-batches bind it, see BENCH_DEFAULTS); BigLSTM runs each LSTM
@@ -199,7 +202,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
                                  schedule=_schedule()) for c, (gc, cmc) in zip(cands, graphs)]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
   chosen = {"lockstep_candidates": {m: t.step_s for m, t in zip(methods, priced)}} if FLAGS.choose_lockstep else {}
-  # Every candidate the multi role will time, in predicted order; a plan two methods found
+  # Every candidate the time stage will time, in predicted order; a plan two methods found
   # (same placement and task schedule) is timed once.
   tuned, distinct = [], {}
   for i in rank:
@@ -251,9 +254,25 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   }))
 
 
-def role_multi(work: pathlib.Path, name: str) -> None:
+# Every configuration the second stage times runs in its own pair of processes, started for it
+# and ended after it (`role_time`). Measured when they shared one pair: Inception-V3's plain
+# one-device step ran 0.62 s alone and 0.88 s timed in rotating rounds beside four compiled
+# hybrid programs in the same processes, and its chosen plan 0.47-0.49 s alone against 0.55 s
+# there (experiments/results/trace_groups_inception_v3.json, process_reuse.json); a figure a
+# user's process (one program) would see needs one program per process.
+def _configs(n: int) -> list[str]:
+  """The configurations of one model, in the order they are timed: the one-device step before
+  and after the candidates (the two bracket the stage: their difference is the drift over it),
+  every candidate, then the baselines."""
+  return ["one_before", *[f"plan_{i}" for i in range(n)], "one_after", "zero", "dp", "gspmd_tp",
+          "fsdp"]
+
+
+def role_time(work: pathlib.Path, name: str, config: str) -> None:
+  """Times one configuration (`_configs`, or `unpacked_<i>`) on this job's two processes; rank 0
+  writes `time_<model>_<config>.json`: the per-block step times (--rounds blocks of --steps timed
+  steps after --warmup untimed ones) or the baseline's median step(s)."""
   import jax
-  import numpy as np
   import optax
 
   from jaxhybrid import api, planner
@@ -265,87 +284,100 @@ def role_multi(work: pathlib.Path, name: str) -> None:
   spec, model = _model(name)
   b, k = _batch_k(name)
   opt = optax.adam(1e-4)
-  out = {}
-  # 1) the candidate plans on mesh 1x2 (best predicted first); the fastest is the run's plan
   batch = spec.synthetic_batch(0, b)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
+  out: dict = {"config": config}
 
-  def build(plan, pack):
+  def blocks(fn, state, bt):
+    times = []
+    for _ in range(max(1, FLAGS.rounds)):
+      t, state, _ = bench_baselines.step_times(fn, state, bt, FLAGS.steps, FLAGS.warmup)
+      times.append(t)
+    return times
+
+  if config.startswith("one_"):
+    # One device, as a user would run it: each process runs plain jit on its own core at the
+    # same time (both cores busy, as under the plan).
+    step1 = jax.jit(bench_baselines.plain_step(pure, opt), donate_argnums=0)
+    one = bench_baselines.local_carry(opt, (p, s), batch)
+    out["times"] = blocks(step1, *one)
+  elif config.startswith(("plan_", "unpacked_")):
+    plan = planner.Plan.load(work / f"plan_{name}_{config.split('_')[-1]}.json")
+    pack = 0 if config.startswith("unpacked_") else _pack_max_bytes()
     hy = api.parallelize(
       model, spec.loss_fn, opt, batch, mesh=mesh_lib.make("1x2"), microbatches=k, plan=plan,
       program_options={"pack_max_bytes": pack, "branch_remat": FLAGS.branch_remat,
                        **({"schedule": _schedule()} if _schedule() else {})},
     )
-    fn = lambda st, bt: hy.program.step_fn()(st, bt)
-    return [fn, hy.init(), hy.program.shard_batch(batch)]
+    out["times"] = blocks(lambda st, bt: hy.program.step_fn()(st, bt), hy.init(),
+                          hy.program.shard_batch(batch))
+  elif config == "zero":
+    # Data parallel 2x1, the hybrid program with the one-device plan with the optimizer state
+    # replicated (ZeRO 0), sharded over 'data' (ZeRO 1) and the gradients sharded too (ZeRO 2),
+    # in rotating rounds in these processes (their ratios are the figures).
+    zero_s = bench_baselines.hybrid_zero_steps_s(
+      model, spec.loss_fn, opt, spec.synthetic_batch(0, 2 * b), mesh_lib.make("2x1"), (0, 1, 2),
+      FLAGS.rounds, FLAGS.steps, FLAGS.warmup)
+    out["step_s_hybrid_2x1"] = zero_s[0]
+    for z in (1, 2):
+      out[f"step_s_hybrid_2x1_zero{z}"] = zero_s[z]
+      out[f"zero{z}_step_ratio_2x1"] = zero_s[z] / zero_s[0]
+  elif config == "dp":
+    out["step_s_jit_dp"], out["step_s_dp_bucketed"] = bench_baselines.dp_steps_s(
+      pure, opt, (p, s), spec.synthetic_batch(0, 2 * b), mesh_lib.make("2x1"), FLAGS.steps,
+      FLAGS.warmup)
+  elif config == "gspmd_tp":  # GSPMD tensor parallel on 1x2
+    out["step_s_gspmd_tp"] = bench_baselines.gspmd_tp_step_s(
+      pure, opt, (p, s), batch, mesh_lib.make("1x2"), FLAGS.steps, FLAGS.warmup)
+  elif config == "fsdp":  # FSDP on the same two devices and the same batch per step as the plan
+    out["step_s_fsdp"] = bench_baselines.fsdp_step_s(
+      pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup)
+  else:
+    raise ValueError(f"unknown --config={config!r}: one of {_configs(1)} (plan_<i>: candidate i)")
+  if jax.process_index() == 0:
+    (work / f"time_{name}_{config}.json").write_text(json.dumps(out))
 
-  def time_plan(plan, pack):
-    fn, state, bt = build(plan, pack)
-    return bench_baselines.timeit(fn, state, bt, FLAGS.steps, FLAGS.warmup)[0]
+
+def _time_stage(work: pathlib.Path, name: str, t_start: float) -> dict:
+  """Launches `role_time` for every configuration of `name` (each its own two processes) and
+  gathers what they wrote into the stage's figures (the field names bench_mp_errors.summarise
+  reads)."""
+  import numpy as np
+
+  from jaxhybrid import planner
+  from jaxhybrid.program import localcluster
 
   n = len(json.loads((work / f"single_{name}.json").read_text())["candidates"])
-  plans = [planner.Plan.load(work / f"plan_{name}_{i}.json") for i in range(n)]
-  # One device, as a user would run it, timed in the same processes as the plans: each process
-  # runs plain jit on its own core at the same time (both cores busy, as under the plan). Steps
-  # of one program differ 15-50 % between minutes on this VM (measured: the same GNMT plan
-  # 0.41 s, then 0.62 s ten minutes later in the same processes), so every configuration is
-  # timed in each of --rounds rounds, in a rotated order, and its figure is the median over all
-  # its timed steps; the per-round medians are kept beside it.
-  _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, scopes=False)
-  step1 = jax.jit(bench_baselines.plain_step(pure, opt), donate_argnums=0)  # compiled once
-  one = bench_baselines.local_carry(opt, (p, s), batch)
-  runs = [build(c, _pack_max_bytes()) for c in plans]
-  times: list[list[list[float]]] = [[] for _ in range(n)]
-  one_times: list[list[float]] = []
+  for stale in work.glob(f"time_{name}_*.json"):
+    stale.unlink()
 
-  def time_one():
-    t, one[0], _ = bench_baselines.step_times(step1, one[0], one[1], FLAGS.steps, FLAGS.warmup)
-    one_times.append(t)
+  def run(config):
+    logging.info("%s: time %s", name, config)
+    localcluster.launch(_worker_argv("time", name) + [f"--config={config}"], 2,
+                        timeout_s=_job_s(t_start))
+    return json.loads((work / f"time_{name}_{config}.json").read_text())
 
-  for r in range(max(1, FLAGS.rounds)):
-    time_one()
-    for i in [(r + j) % n for j in range(n)]:
-      fn, state, bt = runs[i]
-      t, runs[i][1], _ = bench_baselines.step_times(fn, state, bt, FLAGS.steps, FLAGS.warmup)
-      times[i].append(t)
-  time_one()
-  del runs
+  got = {c: run(c) for c in _configs(n)}
   med = lambda xs: float(np.median(xs))
-  out["rounds"] = max(1, FLAGS.rounds)
-  out["candidate_step_s"] = [float(np.median(np.concatenate(t))) for t in times]
-  out["candidate_step_s_rounds"] = [[med(x) for x in t] for t in times]
-  out["step_s_1dev_paired_each"] = [med(x) for x in one_times]
-  out["step_s_1dev_paired"] = float(np.median(np.concatenate(one_times)))
+  cand = [got[f"plan_{i}"]["times"] for i in range(n)]
+  ones = got["one_before"]["times"] + got["one_after"]["times"]
+  out = {
+    "rounds": max(1, FLAGS.rounds), "one_program_per_process": True,
+    "candidate_step_s": [med(np.concatenate(t)) for t in cand],
+    "candidate_step_s_rounds": [[med(x) for x in t] for t in cand],
+    "step_s_1dev_paired_each": [med(x) for x in ones],
+    "step_s_1dev_paired": med(np.concatenate(ones)),
+    "step_s_1dev_before_after": [med(np.concatenate(got[c]["times"]))
+                                 for c in ("one_before", "one_after")],
+  }
   best = min(range(n), key=lambda i: out["candidate_step_s"][i])
   out["chosen_candidate"], out["step_s_plan"] = best, out["candidate_step_s"][best]
-  if jax.process_index() == 0:
-    plans[best].save(work / f"plan_{name}.json")
+  planner.Plan.load(work / f"plan_{name}_{best}.json").save(work / f"plan_{name}.json")
   if FLAGS.compare_unpacked and _pack_max_bytes() > 0:
-    out["step_s_plan_unpacked"] = time_plan(plans[best], 0)
-  # 2) data parallel 2x1: plain jit vs the hybrid program (one-device plan), the program with the
-  # optimizer state replicated (ZeRO 0), sharded over 'data' (ZeRO 1) and with the gradients
-  # sharded too (ZeRO 2), timed in rotating rounds in the same processes (their ratios are the
-  # figures: zero1_step_ratio_2x1, zero2_step_ratio_2x1).
-  batch2 = spec.synthetic_batch(0, 2 * b)
-  m21 = mesh_lib.make("2x1")
-  zero_s = bench_baselines.hybrid_zero_steps_s(model, spec.loss_fn, opt, batch2, m21, (0, 1, 2),
-                                               FLAGS.rounds, FLAGS.steps, FLAGS.warmup)
-  out["step_s_hybrid_2x1"] = zero_s[0]
-  for z in (1, 2):
-    out[f"step_s_hybrid_2x1_zero{z}"] = zero_s[z]
-    out[f"zero{z}_step_ratio_2x1"] = zero_s[z] / zero_s[0]
-  out["step_s_jit_dp"], out["step_s_dp_bucketed"] = bench_baselines.dp_steps_s(
-    pure, opt, (p, s), batch2, m21, FLAGS.steps, FLAGS.warmup
-  )
-  # 3) GSPMD tensor parallel on 1x2
-  out["step_s_gspmd_tp"] = bench_baselines.gspmd_tp_step_s(
-    pure, opt, (p, s), batch, mesh_lib.make("1x2"), FLAGS.steps, FLAGS.warmup
-  )
-  # 4) FSDP on the same two devices and the same batch per step as the plan
-  out["step_s_fsdp"] = bench_baselines.fsdp_step_s(
-    pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup
-  )
-  if jax.process_index() == 0:
-    (work / f"multi_{name}.json").write_text(json.dumps(out))
+    out["step_s_plan_unpacked"] = med(np.concatenate(run(f"unpacked_{best}")["times"]))
+  for c in ("zero", "dp", "gspmd_tp", "fsdp"):
+    out.update({key: v for key, v in got[c].items() if key != "config"})
+  return out
 
 
 def _schedule() -> str | None:
@@ -397,8 +429,7 @@ def driver() -> list[dict]:
         for f in (bench_baselines.LOAD_RUNNING, bench_baselines.LOAD_STOP, bench_baselines.LOAD_STOPPED):
           (work / f.format(name)).unlink(missing_ok=True)
         localcluster.launch(_worker_argv("single", name), 1 + FLAGS.profile_under_load, timeout_s=_job_s(t_start))
-        logging.info("%s: time the plan (1x2), DP (2x1), GSPMD TP (1x2)", name)
-        localcluster.launch(_worker_argv("multi", name), 2, timeout_s=_job_s(t_start))
+        multi = _time_stage(work, name, t_start)
       except RuntimeError as e:
         why = re.sub(r"\[.*\]", "[...]", str(e).splitlines()[0])  # the job's argv elided
     if why:
@@ -407,7 +438,7 @@ def driver() -> list[dict]:
       _write(cases)
       continue
     single = json.loads((work / f"single_{name}.json").read_text())
-    multi = json.loads((work / f"multi_{name}.json").read_text())
+    (work / f"multi_{name}.json").write_text(json.dumps(multi))
     cases.append({"model": name, "size": FLAGS.size, "schedule": FLAGS.schedule,
                   **bench_mp_errors.summarise(single, multi, calib.calibration(work))})
     _write(cases)
@@ -448,8 +479,8 @@ def main(argv):
     return calib.role_calibrate(work)
   if FLAGS.role == "single":
     return role_single(work, FLAGS.model)
-  if FLAGS.role == "multi":
-    return role_multi(work, FLAGS.model)
+  if FLAGS.role == "time":
+    return role_time(work, FLAGS.model, FLAGS.config)
   cases = driver()
   cols = ["model", "step_s_plan", "measured_speedup", "measured_speedup_same_rounds",
           "predicted_speedup", "step_error_mean", "step_error_max", "rank_correlation",

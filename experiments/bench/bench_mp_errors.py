@@ -14,9 +14,12 @@ The row (experiments/results/bench_mp.json holds one per model):
   'cache'), `values` (link latency and bandwidth, per-byte update, addition and fill times) and
   `measured_at`.
 - `one_device`: the model's plain `jax.jit` step on one pinned core. `measured_step_s` timed
-  alone; `measured_step_s_same_rounds` timed by both processes at once in the rounds that time
-  the candidates (both cores busy, as under a plan, and in the same minutes: steps here drift
-  15-25 % between minutes). `predicted_step_s`: the profiled node times summed plus the
+  alone, in the process that profiled and planned; `measured_step_s_same_rounds` timed by both
+  processes at once (both cores busy, as under a plan) in a pair of processes of its own, once
+  before the candidates and once after them (`measured_step_s_before_after`: the two runs'
+  medians; their difference is the drift over the stage). Every configuration of that stage (the
+  one-device runs, each candidate, each baseline) runs in its own two processes, started for it:
+  one program per process, as a user runs it. `predicted_step_s`: the profiled node times summed plus the
   optimizer update, the cost model every candidate's price is built from; `error` against the
   alone figure (`error_same_rounds` against the other); `predicted_step_s_whole` / `error_whole`:
   the whole forward + backward profiled as one compiled function plus the update, which sees
@@ -113,6 +116,8 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
       "predicted_step_s": pred_1dev, "measured_step_s": t1,
       "measured_step_s_same_rounds": t1_rounds, "error": err(pred_1dev, t1),
       "error_same_rounds": err(pred_1dev, t1_rounds),
+      **({"measured_step_s_before_after": multi["step_s_1dev_before_after"]}
+         if "step_s_1dev_before_after" in multi else {}),
     },
     "candidates": cands, "chosen_candidate": chosen, "step_s_plan": step_plan,
     "measured_speedup": t1 / step_plan, "measured_speedup_same_rounds": t1_rounds / step_plan,

@@ -29,7 +29,7 @@ flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_ma
 flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb", "auto"],
                   "Task schedule the program runs; 'auto': the planner's own choice among all of "
                   "them and its lock-step orders and explicit groups ('custom').")
-flags.DEFINE_float("budget_s", 3000.0, "Wall time for the whole run, calibration included: a "
+flags.DEFINE_float("budget_s", 4800.0, "Wall time for the whole run, calibration included: a "
                    "model's jobs get what is left and are stopped when it is spent, and models "
                    "left then are skipped (each model's results are written as soon as they exist).")
 flags.DEFINE_enum("branch_remat", "none", ["none", "dots", "full"], "What each forward task "
@@ -39,8 +39,9 @@ flags.DEFINE_boolean("task_profiles", True, "Time each node's F and B tasks apar
 flags.DEFINE_float("time_limit", 30.0, "MILP time limit (s).")
 flags.DEFINE_integer("steps", 8, "Timed steps per configuration (per round for the candidate plans and the paired one-device step).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps first (the first compiles).")
-flags.DEFINE_integer("rounds", 4, "Rounds in which the multi role times every candidate plan and "
-                     "the one-device step (rotated order; each figure is the median of all its steps).")
+flags.DEFINE_integer("rounds", 4, "Blocks of --steps timed steps (each after --warmup untimed "
+                     "ones) per candidate plan and per one-device run, each configuration in its "
+                     "own pair of processes; each figure is the median of all its steps.")
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
 flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: time each profiled "
                    "function until its timed runs add up to this long (0: 5 runs).")
@@ -67,7 +68,9 @@ flags.DEFINE_string("out", "", "Write the JSON results here.")
 flags.DEFINE_boolean("update", False, "Keep the rows of other models already in --out and replace "
                      "only those of the models this run measures; each row records the commit of "
                      "the program that measured it ('program').")
-flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | multi.")
+flags.DEFINE_string("role", "driver", "Internal: driver | calibrate | single | time.")
+flags.DEFINE_string("config", "", "Internal: the configuration a `time` role times (one_before, "
+                    "plan_<i>, one_after, zero, dp, gspmd_tp, fsdp, unpacked_<i>).")
 flags.DEFINE_string("model", "", "Internal: the model of a worker role.")
 
 # Per-model bench defaults: (per-worker batch, micro-batches).

@@ -3,8 +3,9 @@ r"""Does a one-core step slow down once other compiled steps have run in the sam
     python experiments/bench/process_reuse.py --model=inception_v3 \
         --out=experiments/results/process_reuse.json
 
-bench_mp's multi role times every candidate plan and the one-device step in the same two
-processes, in rotated rounds. This checks what that costs a step: two processes, each pinned to
+bench_mp timed every candidate plan and the one-device step in the same two processes, in
+rotated rounds, before it gave each configuration processes of its own. This checks what
+sharing a process costs a step: two processes, each pinned to
 one core as bench_mp's (jaxhybrid.program.localcluster, with its malloc tunables), build the
 model's plain `jax.jit` training step (Adam) at --batch and --others more at smaller batches
 (batch - 8, batch - 16, ...: other executables and other buffer sizes). Round 1 times the

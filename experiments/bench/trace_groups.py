@@ -4,7 +4,7 @@ r"""Where a 2-way plan's step goes: each lock-step group, measured on one-core d
     python experiments/bench/trace_groups.py --workdir=/tmp/bmp --model=gnmt --plan=plan_gnmt_0.json \
         --out=trace_gnmt.json
 
-Runs the plan as bench_mp's multi role does (mesh 1x2, two processes pinned to one core each,
+Runs the plan as bench_mp's time stage does (mesh 1x2, two processes pinned to one core each,
 jaxhybrid.program.localcluster), traces --trace_steps steps with `jax.profiler` (perfetto JSON)
 in each process and cuts each step at the group conditionals (one `lax.switch` per group) when
 the step holds one per group, else at the messages (each group's ppermutes, in group order) when
