@@ -33,8 +33,9 @@ def test_a_sharded_plan_must_be_faster_by_the_tolerance_or_save_enough_memory():
   together, apart = (0, 0, 0, 0, 1), (0, 0, 1, 0, 1)
   assert planner.place_shards.spreads(plan(1, apart, 1), g)
   assert not planner.place_shards.spreads(plan(1, together, 1), g)
+  # Pieces kept together divide nothing: never kept, whatever the price says.
   assert not planner.keeps_sharded(plan(0.999, together, 5), whole, tol, graph=g)
-  assert planner.keeps_sharded(plan(0.97, together, 5), whole, tol, graph=g)
+  assert not planner.keeps_sharded(plan(0.5, together, 5), whole, tol, graph=g)
   # A price edge within the tolerance does not keep a plan that needs more memory.
   assert not planner.keeps_sharded(plan(0.999, apart, 20), whole, tol, graph=g)
   assert planner.keeps_sharded(plan(0.97, apart, 20), whole, tol, graph=g)
