@@ -420,6 +420,16 @@ def test_plan_carries_the_one_device_reference_of_the_whole_batch(tmp_path):
   assert f"predicted step {plan.lockstep_step_s * 1e3:.3f} ms" in text
   again = type(plan).from_json(plan.to_json())
   assert (again.reference_step_s, again.reference_source) == (plan.reference_step_s, "node sum")
+  # A plan slower than the plain step but faster than one device running its micro-batches
+  # (the fall-back's comparison) says both, and what could beat the plain step.
+  slow = dataclasses.replace(plan, reference_step_s=0.5 * plan.lockstep_step_s)
+  text = slow.summary()
+  assert "speedup 0.500x over one device's plain step" in text
+  assert (f"{slow.lockstep_speedup:.3f}x over one device running the same 2 micro-batches "
+          f"({slow.single_device_s * 1e3:.3f} ms)") in text
+  assert text.count("predicted") == 1 and text.count("speedup") == 1, text
+  fast = dataclasses.replace(plan, reference_step_s=2.0 * plan.lockstep_step_s)
+  assert "slower than the plain step" not in fast.summary()
   # A cost model that times the traced loss whole is asked for that (cached: the same figure).
   g_micro = graph_lib.trace_function(pure, p, s, api.microbatch_spec(batch, 8, 4)[0])
   cm = costs_lib.ProfiledCostModel(g_micro, cache_dir=tmp_path, repeats=1, warmup=1)

@@ -278,6 +278,13 @@ class Plan:
       if self.reference_speedup:
         vs = (f"speedup {self.reference_speedup:.3f}x over one device's plain step "
               f"({self.reference_step_s * 1e3:.3f} ms, {self.reference_source})")
+        if self.reference_speedup < 1 and self.microbatches > 1:
+          # The fall-back to one device compares with one device running the same micro-batches
+          # (the same program on one device); say so, and what would beat the plain step.
+          vs += (f" [slower than the plain step; {self.lockstep_speedup:.3f}x over one device "
+                 f"running the same {self.microbatches} micro-batches "
+                 f"({self.single_device_s * 1e3:.3f} ms): fewer micro-batches or a data-parallel "
+                 "mesh may run faster]")
       else:
         vs = (f"speedup {self.lockstep_speedup:.3f}x over one device "
               f"({self.single_device_s * 1e3:.3f} ms, node sum)")
