@@ -41,10 +41,10 @@ def test_every_candidate_carries_its_predicted_and_measured_step(be):
   assert row["step_error_mean"] == pytest.approx(0.15) and row["step_error_max"] == pytest.approx(0.2)
   assert row["rank_correlation"] is None  # two candidates: no rank correlation
   assert row["measured_speedup"] == pytest.approx(2.0)
-  assert row["measured_speedup_same_rounds"] == pytest.approx(2.2)
+  assert row["measured_speedup_both_busy"] == pytest.approx(2.2)
   assert row["predicted_speedup"] == pytest.approx(1.0 / 0.55)  # node sum + update over the chosen
   assert row["one_device"]["error"] == pytest.approx(0.0)
-  assert row["one_device"]["error_same_rounds"] == pytest.approx(1.0 / 1.1 - 1.0)
+  assert row["one_device"]["error_both_busy"] == pytest.approx(1.0 / 1.1 - 1.0)
   # The row keeps only the schema's fields (the jobs' inputs are not copied in).
   assert "step_s_1dev" not in row and "predicted_1dev_s" not in row and "predicted_step_s_whole" not in row["one_device"]
 

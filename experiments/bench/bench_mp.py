@@ -482,7 +482,7 @@ def main(argv):
   if FLAGS.role == "time":
     return role_time(work, FLAGS.model, FLAGS.config)
   cases = driver()
-  cols = ["model", "step_s_plan", "measured_speedup", "measured_speedup_same_rounds",
+  cols = ["model", "step_s_plan", "measured_speedup", "measured_speedup_both_busy",
           "predicted_speedup", "step_error_mean", "step_error_max", "rank_correlation",
           "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp", "ratio_vs_fsdp", "zero1_step_ratio_2x1",
           "zero2_step_ratio_2x1"]
