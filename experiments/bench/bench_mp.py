@@ -258,8 +258,9 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
 # and ended after it (`role_time`). Measured when they shared one pair: Inception-V3's plain
 # one-device step ran 0.62 s alone and 0.88 s timed in rotating rounds beside four compiled
 # hybrid programs in the same processes, and its chosen plan 0.47-0.49 s alone against 0.55 s
-# there (experiments/results/trace_groups_inception_v3.json, process_reuse.json); a figure a
-# user's process (one program) would see needs one program per process.
+# there (bench_mp.json and trace_groups_inception_v3.json as of commit faa053e; also
+# process_reuse.json); a figure a user's process (one program) would see needs one program per
+# process.
 def _configs(n: int) -> list[str]:
   """The configurations of one model, in the order they are timed: the one-device step before
   and after the candidates (the two bracket the stage: their difference is the drift over it),
