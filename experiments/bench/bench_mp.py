@@ -62,53 +62,17 @@ import bench_baselines  # experiments/bench/ (the script's folder)
 import bench_mp_calibration as calib
 import bench_mp_errors
 import bench_mp_flags  # noqa: F401  (defines the flags)
-import chain_model
 import provenance
 from absl import app, flags, logging
-from bench_mp_flags import BENCH_DEFAULTS, BENCH_SETS, LOCKSTEP_CANDIDATES
+from bench_mp_flags import LOCKSTEP_CANDIDATES
+from bench_mp_flags import batch_k as _batch_k
+from bench_mp_flags import model as _model
+from bench_mp_flags import model_sets as _model_sets
+from bench_mp_flags import overrides as _overrides
+from bench_mp_flags import pack_max_bytes as _pack_max_bytes
+from bench_mp_flags import schedule as _schedule
 
 FLAGS = flags.FLAGS
-
-
-def _pack_max_bytes() -> int:
-  from jaxhybrid import program as program_lib
-
-  return program_lib.DEFAULT_PACK_MAX_BYTES if FLAGS.pack_max_bytes < 0 else FLAGS.pack_max_bytes
-
-
-def _overrides() -> dict:
-  import ast
-
-  out = {}
-  for kv in FLAGS.set:
-    k, _, v = kv.partition("=")
-    try:
-      out[k] = ast.literal_eval(v)
-    except (ValueError, SyntaxError):
-      out[k] = v
-  return out
-
-
-def _model_sets(name: str) -> dict:
-  """The model's config overrides: BENCH_SETS under --set."""
-  return {**BENCH_SETS.get(name, {}), **_overrides()}
-
-
-def _batch_k(name: str) -> tuple[int, int]:
-  b, k = BENCH_DEFAULTS.get(name, (8, 1))
-  return FLAGS.batch or b, FLAGS.microbatches or k
-
-
-def _model(name):
-  from flax import nnx
-
-  from jaxhybrid import models
-
-  if name == "chain":
-    spec = chain_model.spec(**_overrides())  # --set width=512, --set layers=8
-  else:
-    spec = models.get(name, FLAGS.size, **_model_sets(name))
-  return spec, spec.make(nnx.Rngs(0))
 
 
 # ---- worker roles -----------------------------------------------------------------------------
@@ -379,11 +343,6 @@ def _time_stage(work: pathlib.Path, name: str, t_start: float) -> dict:
   for c in ("zero", "dp", "gspmd_tp", "fsdp"):
     out.update({key: v for key, v in got[c].items() if key != "config"})
   return out
-
-
-def _schedule() -> str | None:
-  """The schedule the program is told to run: None for 'auto' (the plan's own)."""
-  return None if FLAGS.schedule == "auto" else FLAGS.schedule
 
 
 # ---- driver -----------------------------------------------------------------------------------

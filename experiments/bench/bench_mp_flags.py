@@ -1,10 +1,12 @@
-"""bench_mp's settings: its absl flags and per-model defaults (experiments/bench/bench_mp.py says what
-the benchmark measures). Imported by bench_mp, whose worker roles get these flags on their
-command lines."""
+"""bench_mp's settings: its absl flags, per-model defaults and the helpers that read them (the
+model, batch, micro-batches, schedule); experiments/bench/bench_mp.py says what the benchmark
+measures. Imported by bench_mp, whose worker roles get these flags on their command lines."""
 
 from __future__ import annotations
 
 from absl import flags
+
+FLAGS = flags.FLAGS
 
 flags.DEFINE_list("models", ["chain", "gnmt", "biglstm", "inception_v3"], "Models to benchmark.")
 flags.DEFINE_string("size", "small", "Model size preset (a step of about a second on one core).")
@@ -88,3 +90,53 @@ BENCH_SETS = {"biglstm": {"time_chunks": 4}}
 
 # Heuristic plans weighed against the planner's by `--choose_lockstep` (few transfers each).
 LOCKSTEP_CANDIDATES = ("dp", "interleaved")
+
+
+# ---- the settings as the worker roles read them ----------------------------------------------
+
+def pack_max_bytes() -> int:
+  from jaxhybrid import program as program_lib
+
+  return program_lib.DEFAULT_PACK_MAX_BYTES if FLAGS.pack_max_bytes < 0 else FLAGS.pack_max_bytes
+
+
+def overrides() -> dict:
+  import ast
+
+  out = {}
+  for kv in FLAGS.set:
+    k, _, v = kv.partition("=")
+    try:
+      out[k] = ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+      out[k] = v
+  return out
+
+
+def model_sets(name: str) -> dict:
+  """The model's config overrides: BENCH_SETS under --set."""
+  return {**BENCH_SETS.get(name, {}), **overrides()}
+
+
+def batch_k(name: str) -> tuple[int, int]:
+  b, k = BENCH_DEFAULTS.get(name, (8, 1))
+  return FLAGS.batch or b, FLAGS.microbatches or k
+
+
+def model(name):
+  from flax import nnx
+
+  import chain_model
+
+  from jaxhybrid import models
+
+  if name == "chain":
+    spec = chain_model.spec(**overrides())  # --set width=512, --set layers=8
+  else:
+    spec = models.get(name, FLAGS.size, **model_sets(name))
+  return spec, spec.make(nnx.Rngs(0))
+
+
+def schedule() -> str | None:
+  """The schedule the program is told to run: None for 'auto' (the plan's own)."""
+  return None if FLAGS.schedule == "auto" else FLAGS.schedule
