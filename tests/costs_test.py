@@ -475,3 +475,12 @@ def test_profiled_min_time_is_validated_and_cached_apart(tmp_path, monkeypatch):
   assert seen == [0.0, 0.0, 0.01, 0.01] and timed.measured == 2
   keys = set(json.loads(timed.cache_path.read_text())["nodes"])
   assert {g.node_fingerprint(n) + "|min_time=0.01" for n in g.nodes} <= keys
+
+
+def test_auto_flush_is_resolved_once_and_keys_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setattr(cost_model, "cache_flush_bytes", lambda: 3 << 20)
+  cm = costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, flush_bytes="auto")
+  assert cm.flush_bytes == 3 << 20  # the CPU backend: sized from the host's caches
+  assert cm._timing_key() == f"|flush={3 << 20}"
+  with pytest.raises(ValueError, match="'auto'"):
+    costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, flush_bytes="cold")

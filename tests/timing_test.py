@@ -64,3 +64,17 @@ def test_median_time_keeps_timing_until_min_time(monkeypatch):
   monkeypatch.setattr(timing, "MAX_REPEATS", 5)
   timing.median_time_s(fn, warmup=1, repeats=2, min_time_s=100.0)
   assert len(calls) - 1 == 5
+
+
+def test_cache_flush_bytes_is_a_multiple_of_the_largest_cache(tmp_path):
+  from jaxhybrid.costs import timing
+
+  for cpu, index, size in [(0, 0, "48K"), (0, 2, "2048K"), (0, 3, "32M"), (1, 3, "16384K")]:
+    d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    (d / "size").write_text(size + "\n")
+  assert timing.cache_flush_bytes(sysfs=str(tmp_path)) == int(1.5 * (32 << 20))
+  assert timing.cache_flush_bytes(factor=2.0, sysfs=str(tmp_path)) == 64 << 20
+  # No readable description: the named fallback.
+  assert timing.cache_flush_bytes(sysfs=str(tmp_path / "absent")) == timing.FLUSH_FALLBACK_BYTES
+

@@ -8,7 +8,8 @@ machine (cached, below), 2 processes calibrate the ppermute link between two suc
 bandwidth) and the per-byte update, addition and fill passes. Per model:
 1. (1 process, and with --profile_under_load a second one running the model's plain step on the
    other core meanwhile, as the program keeps both busy) node times are profiled (one core; F
-   and B tasks apart, --task_profiles), the
+   and B tasks apart, --task_profiles; each timed run after writing 1.5x the host's largest
+   cache, --profile_flush_bytes, as a task in the program starts after other work), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
    heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
 2. (2 processes per configuration, started for it and ended after it: one program per process,
@@ -69,6 +70,7 @@ from bench_mp_flags import batch_k as _batch_k
 from bench_mp_flags import model as _model
 from bench_mp_flags import model_sets as _model_sets
 from bench_mp_flags import overrides as _overrides
+from bench_mp_flags import profile_flush_bytes as _flush_bytes
 from bench_mp_flags import pack_max_bytes as _pack_max_bytes
 from bench_mp_flags import schedule as _schedule
 
@@ -119,7 +121,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
                                min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
-                               flush_bytes=FLAGS.profile_flush_bytes)
+                               flush_bytes=_flush_bytes())
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
@@ -152,7 +154,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
       cm_sh = costs.ProfiledCostModel(
         g_sh, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
         min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
-        tasks=FLAGS.task_profiles, flush_bytes=FLAGS.profile_flush_bytes)
+        tasks=FLAGS.task_profiles, flush_bytes=_flush_bytes())
       cm_sh.profile_all()
       seed = planner.place_shards.whole_on_split(plan, g_sh)
       sh = planner.place(g_sh, cm_sh, devices=2, microbatches=k, method=FLAGS.planner,
@@ -194,7 +196,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
   cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=calib.link(work),
                                     warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s,
-                                    flush_bytes=FLAGS.profile_flush_bytes)
+                                    flush_bytes=_flush_bytes())
   full_1dev_s = cm_full.step_time_s(g_full)
   whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
@@ -213,7 +215,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_TUNABLES
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
-    "profile_flush_bytes": FLAGS.profile_flush_bytes, "profile_min_time_s": FLAGS.profile_min_time_s,
+    "profile_flush_bytes": _flush_bytes(), "profile_min_time_s": FLAGS.profile_min_time_s,
     "candidates": tuned, **chosen, **pick,
   }))
 

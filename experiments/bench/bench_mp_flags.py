@@ -47,8 +47,9 @@ flags.DEFINE_integer("rounds", 4, "Blocks of --steps timed steps (each after --w
 flags.DEFINE_float("profile_warmup_s", 1.0, "ProfiledCostModel warmup_s: untimed runs per profiled node.")
 flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: time each profiled "
                    "function until its timed runs add up to this long (0: 5 runs).")
-flags.DEFINE_integer("profile_flush_bytes", 0, "ProfiledCostModel flush_bytes: write this many "
-                     "bytes before every timed run (data out of the caches, as in the program); 0: off.")
+flags.DEFINE_integer("profile_flush_bytes", -1, "ProfiledCostModel flush_bytes: write this many "
+                     "bytes before every timed run (data out of the caches, as in the program); "
+                     "-1: 1.5x the host's largest cache (costs.cache_flush_bytes); 0: off.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
@@ -140,3 +141,12 @@ def model(name):
 def schedule() -> str | None:
   """The schedule the program is told to run: None for 'auto' (the plan's own)."""
   return None if FLAGS.schedule == "auto" else FLAGS.schedule
+
+
+def profile_flush_bytes() -> int:
+  """--profile_flush_bytes, with -1 resolved to this host's cache-sized flush."""
+  from jaxhybrid.costs import timing
+
+  if FLAGS.profile_flush_bytes < 0:
+    return timing.cache_flush_bytes()
+  return FLAGS.profile_flush_bytes

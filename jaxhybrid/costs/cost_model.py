@@ -47,6 +47,7 @@ from jaxhybrid.costs.timing import (  # noqa: F401  (re-exported; tests patch th
   _is_float,
   _node_case,
   _random_input,
+  cache_flush_bytes,
   dispatch_time_s,
   median_time_s,
   time_graph,
@@ -246,7 +247,7 @@ class ProfiledCostModel(CostModel):
     subtract_dispatch: bool = True,
     branch_remat: str = "none",
     tasks: bool = False,
-    flush_bytes: int = 0,
+    flush_bytes: int | str = 0,
     min_time_s: float = 0.0,
   ):
     """Builds the model (measures nothing until a node time is asked for).
@@ -277,7 +278,9 @@ class ProfiledCostModel(CostModel):
         run starts with the node's data out of the core's caches, as a task inside the program
         does after other tasks (assumption, measured on this project's one-core CPU processes:
         a 256-wide tanh layer's F + B at 1,024 rows took 2.4 ms back to back and 3.1 ms after
-        writing 64 MiB, 1.3x; at 512 wide 1.08x). 0 (default): back to back, as before. Cached
+        writing 64 MiB, 1.3x; at 512 wide 1.08x). 0 (default): back to back, as before.
+        'auto': on the CPU backend `cache_flush_bytes()` (1.5x the host's largest cache;
+        bench_mp's default), elsewhere 0 (a device's own caches are not sized here). Cached
         apart from the back-to-back times.
       min_time_s: after `repeats` timed runs, keep timing a function until its timed runs add
         up to this many seconds (`timing.median_time_s`; assumption). Five runs of a 3 ms node
@@ -289,6 +292,11 @@ class ProfiledCostModel(CostModel):
     Raises:
       ValueError: for `repeats` < 1 or `warmup` < 1, or no link on a non-CPU backend.
     """
+    self.backend, self.device_kind = _device_key()
+    if flush_bytes == "auto":
+      flush_bytes = cache_flush_bytes() if self.backend == "cpu" else 0
+    elif isinstance(flush_bytes, str):
+      raise ValueError(f"flush_bytes={flush_bytes!r}: give a byte count >= 0 or 'auto'.")
     if repeats < 1 or warmup < 1 or warmup_s < 0 or flush_bytes < 0 or min_time_s < 0:
       raise ValueError(
         f"repeats={repeats}, warmup={warmup}, warmup_s={warmup_s}, flush_bytes={flush_bytes}, "
@@ -307,7 +315,6 @@ class ProfiledCostModel(CostModel):
       self.forward_time_s = self._forward_time_s
       self.input_grad_time_s = lambda node: self._split(node)[0]
       self.weight_grad_time_s = lambda node: self._split(node)[1]
-    self.backend, self.device_kind = _device_key()
     self.hardware_name = self.device_kind
     if link is None:
       if self.backend != "cpu":

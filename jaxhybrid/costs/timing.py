@@ -6,6 +6,7 @@ gradients), each its own compiled function on random inputs.
 from __future__ import annotations
 
 import math
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -60,6 +61,41 @@ class _Flush:
 
   def __call__(self) -> None:
     self.buf = jax.block_until_ready(self.step(self.buf))
+
+
+# `cache_flush_bytes`: the flush is this many times the largest CPU cache (assumption: a write
+# of 1.5x the last-level cache evicts the timed function's data; on this project's 2-core VM,
+# 32 MiB L3, 48 MiB flushed profiles brought bench_mp's mean step error from 6.4 / 8.4 / 33.5 %
+# to 3.0 / 4.1 / 14.4 % on the chain, GNMT and Inception-V3, experiments/results/
+# bench_mp_cold_profiles.json).
+FLUSH_CACHE_FACTOR = 1.5
+# `cache_flush_bytes` when the host's cache sizes cannot be read (assumption: at least the
+# last-level cache of most server CPUs).
+FLUSH_FALLBACK_BYTES = 64 << 20
+
+
+def _size_bytes(text: str) -> int:
+  """A sysfs cache size ('32768K', '2M', '512') in bytes."""
+  text = text.strip().upper()
+  scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+  return int(text[:-1] if scale > 1 else text) * scale
+
+
+def cache_flush_bytes(
+  factor: float = FLUSH_CACHE_FACTOR, sysfs: str = "/sys/devices/system/cpu"
+) -> int:
+  """Bytes to write before a timed run so that it starts with cold caches: `factor` times the
+  largest cache of any CPU in `sysfs` (Linux's cache description), or FLUSH_FALLBACK_BYTES
+  when none can be read (another OS, a container without sysfs)."""
+  sizes = []
+  for f in pathlib.Path(sysfs).glob("cpu[0-9]*/cache/index[0-9]*/size"):
+    try:
+      sizes.append(_size_bytes(f.read_text()))
+    except (OSError, ValueError):
+      continue
+  if not sizes:
+    return FLUSH_FALLBACK_BYTES
+  return int(factor * max(sizes))
 
 
 # The most timed calls `median_time_s` makes to fill its `min_time_s`.
