@@ -159,6 +159,28 @@ class BatchNorm(nnx.Module):
     return y.astype(self.dtype)
 
 
+def max_pool_3x3(x: jax.Array, stride: int) -> jax.Array:
+  """3x3 VALID max-pool of NHWC `x`: the same values and gradients as `nnx.max_pool`, computed
+  as a running select over the nine strided slices of the window offsets.
+
+  Keeping the earlier value on ties (`>=`) gives the whole gradient to the first maximum in window
+  order, as XLA's select-and-scatter (the gradient of `reduce_window` max) does; the gradient is
+  then selects and padded adds, which fuse. XLA:CPU's select-and-scatter is slow: on one core
+  at [16, 51, 51, 32] the backward took 14.6 ms against 1.6 ms this way (the forward 1.3 ms
+  against 1.8 ms), and bitwise the same gradient, positive ties included.
+  """
+  n, h, w, c = x.shape
+  oh, ow = (h - 3) // stride + 1, (w - 3) // stride + 1
+  out = None
+  for i in range(3):
+    for j in range(3):
+      window = jax.lax.slice(
+        x, (0, i, j, 0), (n, i + stride * (oh - 1) + 1, j + stride * (ow - 1) + 1, c),
+        (1, stride, stride, 1))
+      out = window if out is None else jnp.where(out >= window, out, window)
+  return out
+
+
 class ConvBN(nnx.Module):
   """Conv (no bias) -> BatchNorm (batch statistics in training) -> ReLU."""
 
@@ -204,7 +226,7 @@ class Branch(nnx.Module):
     if self.pool == "avg":  # 3x3, stride 1, SAME; padding counted as zeros (as TF-slim/torchvision)
       x = nnx.avg_pool(x, (3, 3), strides=(1, 1), padding="SAME")
     elif self.pool == "max":  # 3x3 stride 2 VALID (grid reduction)
-      x = nnx.max_pool(x, (3, 3), strides=(self.pool_stride,) * 2, padding="VALID")
+      x = max_pool_3x3(x, self.pool_stride)
     for layer in self.layers:
       x = layer(x)
     if len(self.split):
@@ -305,9 +327,9 @@ class Stem(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = self.conv_2b_3x3(self.conv_2a_3x3(self.conv_1a_3x3(x)))
-    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")
+    x = max_pool_3x3(x, 2)
     x = self.conv_4a_3x3(self.conv_3b_1x1(x))
-    return nnx.max_pool(x, (3, 3), strides=(2, 2), padding="VALID")
+    return max_pool_3x3(x, 2)
 
 
 class AuxHead(nnx.Module):

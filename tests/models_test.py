@@ -306,3 +306,18 @@ def test_gnmt_time_chunks_keep_the_loss_and_pipeline_the_decoder():
   assert ("attention/keys", "attention/t1") in edges
   with pytest.raises(ValueError, match="divide max_source_length"):
     models.get("gnmt", "tiny", time_chunks=3)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_inception_max_pool_matches_reduce_window_values_and_gradients(stride):
+  # Random values with ReLU zeros and a block of positive ties: the running select must give
+  # each window's gradient to its first maximum, as the gradient of reduce_window max does.
+  x = jax.nn.relu(jax.random.normal(jax.random.key(0), (2, 10, 9, 3)))
+  x = x.at[:, 2:6, 1:5, :].set(0.5)
+  ours = functools.partial(inception_v3.max_pool_3x3, stride=stride)
+  ref = lambda x: nnx.max_pool(x, (3, 3), strides=(stride, stride), padding="VALID")
+  y, vjp = jax.vjp(ours, x)
+  y_ref, vjp_ref = jax.vjp(ref, x)
+  assert y.shape == y_ref.shape and bool(jnp.all(y == y_ref))
+  ct = jax.random.normal(jax.random.key(1), y.shape)
+  np.testing.assert_allclose(vjp(ct)[0], vjp_ref(ct)[0], rtol=0, atol=1e-6)
