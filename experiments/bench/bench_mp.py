@@ -9,7 +9,9 @@ bandwidth) and the per-byte update, addition and fill passes. Per model:
 1. (1 process, and with --profile_under_load a second one running the model's plain step on the
    other core meanwhile, as the program keeps both busy) node times are profiled (one core; F
    and B tasks apart, --task_profiles; each timed run after writing 1.5x the host's largest
-   cache, --profile_flush_bytes, as a task in the program starts after other work), the
+   cache, --profile_flush_bytes, as a task in the program starts after other work; and again
+   back to back: each time is priced between the two at the share where the model's whole step
+   sits, --profile_cache_blend, jaxhybrid.costs.cache_blend), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
    heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
 2. (2 processes per configuration, started for it and ended after it: one program per process,
@@ -70,7 +72,9 @@ from bench_mp_flags import batch_k as _batch_k
 from bench_mp_flags import model as _model
 from bench_mp_flags import model_sets as _model_sets
 from bench_mp_flags import overrides as _overrides
+from bench_mp_flags import blend_fit as _blend_fit
 from bench_mp_flags import profile_flush_bytes as _flush_bytes
+from bench_mp_flags import profiled as _profiled
 from bench_mp_flags import pack_max_bytes as _pack_max_bytes
 from bench_mp_flags import schedule as _schedule
 
@@ -109,7 +113,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   import numpy as np
   import optax
 
-  from jaxhybrid import api, costs, planner
+  from jaxhybrid import api, planner
   from jaxhybrid import graph as graph_lib
   from jaxhybrid.program import lockstep
 
@@ -119,9 +123,8 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   micro_spec, _ = api.microbatch_spec(batch, b, b // k)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
-  cm = costs.ProfiledCostModel(g, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
-                               min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles,
-                               flush_bytes=_flush_bytes())
+  cm = _profiled(g, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
+                 min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
@@ -151,10 +154,10 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
 
     g_sh, _ = shard_lib.shard_leaves(g, 2)
     if g_sh.shards:
-      cm_sh = costs.ProfiledCostModel(
+      cm_sh = _profiled(
         g_sh, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
         min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
-        tasks=FLAGS.task_profiles, flush_bytes=_flush_bytes())
+        tasks=FLAGS.task_profiles)
       cm_sh.profile_all()
       seed = planner.place_shards.whole_on_split(plan, g_sh)
       sh = planner.place(g_sh, cm_sh, devices=2, microbatches=k, method=FLAGS.planner,
@@ -194,9 +197,8 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     })
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)
-  cm_full = costs.ProfiledCostModel(g_full, cache_dir=work / "profiles", link=calib.link(work),
-                                    warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s,
-                                    flush_bytes=_flush_bytes())
+  cm_full = _profiled(g_full, cache_dir=work / "profiles", link=calib.link(work),
+                      warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s)
   full_1dev_s = cm_full.step_time_s(g_full)
   whole_1dev_s = cm_full.whole_step_time_s()  # one compiled function: XLA fuses across nodes
   update_1dev_s = pc.time_s(sum(lockstep.param_bytes_per_device(g, [0] * len(g.nodes))), 1)
@@ -216,6 +218,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "profiled_under_load": FLAGS.profile_under_load,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
     "profile_flush_bytes": _flush_bytes(), "profile_min_time_s": FLAGS.profile_min_time_s,
+    "profile_blend": _blend_fit(cm), "profile_blend_one_device": _blend_fit(cm_full),
     "candidates": tuned, **chosen, **pick,
   }))
 

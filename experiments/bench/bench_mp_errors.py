@@ -24,6 +24,12 @@ The row (experiments/results/bench_mp.json holds one per model):
   alone figure (`error_both_busy` against the other); `predicted_step_s_whole` / `error_whole`:
   the whole forward + backward profiled as one compiled function plus the update, which sees
   what XLA fuses across nodes (the 8-layer chain's node sum is 25-38 % above its plain step).
+- `profile`: how the node times were priced: `flush_bytes` (the cache-sized write before each
+  cold timed run) and, with bench_mp's --profile_cache_blend, `cache_blend` (the micro-batch
+  graph the candidates are priced on) and `cache_blend_one_device` (the one-device step's graph):
+  `warm_sum_s` and `cold_sum_s` (node times summed, back to back and flushed), `whole_s` (the
+  whole forward + backward back to back) and the `cold_share` fitted from them
+  (`jaxhybrid.costs.cache_blend`); null without a blend.
 - `candidates`: every plan timed on mesh 1x2, best predicted first: `plan_id` (its file in the
   workdir), `method`, `sharded` (made on the graph with shard options), `schedule`, `k`,
   `groups`, `transfers`, `predicted_step_s` (the lock-step price of the program that runs:
@@ -135,6 +141,9 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
     **{f"zero{z}_step_ratio_2x1": base[f"hybrid_2x1_zero{z}"] / base["hybrid_2x1"] for z in (1, 2)
        if f"hybrid_2x1_zero{z}" in base},
     "plan": {k: single.get(k) for k in ("plan_status", "plan_gap", "plan_time_s", "place_s")},
+    "profile": {"flush_bytes": single.get("profile_flush_bytes"),
+                "cache_blend": single.get("profile_blend"),
+                "cache_blend_one_device": single.get("profile_blend_one_device")},
   }
   if single.get("predicted_1dev_whole_s") is not None:
     whole_s = single["predicted_1dev_whole_s"] + single["predicted_1dev_update_s"]

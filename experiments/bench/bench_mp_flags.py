@@ -50,6 +50,10 @@ flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: tim
 flags.DEFINE_integer("profile_flush_bytes", -1, "ProfiledCostModel flush_bytes: write this many "
                      "bytes before every timed run (data out of the caches, as in the program); "
                      "-1: 1.5x the host's largest cache (costs.cache_flush_bytes); 0: off.")
+flags.DEFINE_boolean("profile_cache_blend", True, "Price each node between its back-to-back and "
+                     "its flushed profile, at the share where the model's whole step sits "
+                     "(jaxhybrid.costs.cache_blended; needs a flush, --profile_flush_bytes != 0); "
+                     "False: the --profile_flush_bytes profile alone.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
@@ -150,3 +154,19 @@ def profile_flush_bytes() -> int:
   if FLAGS.profile_flush_bytes < 0:
     return timing.cache_flush_bytes()
   return FLAGS.profile_flush_bytes
+
+
+def profiled(graph, **kwargs):
+  """The cost model the `single` role prices with: `costs.cache_blended` under
+  --profile_cache_blend (with a flush), else one `ProfiledCostModel` with --profile_flush_bytes."""
+  from jaxhybrid import costs
+
+  flush = profile_flush_bytes()
+  if FLAGS.profile_cache_blend and flush > 0:
+    return costs.cache_blended(graph, flush_bytes=flush, **kwargs)
+  return costs.ProfiledCostModel(graph, flush_bytes=flush, **kwargs)
+
+
+def blend_fit(cm) -> dict | None:
+  """The fitted warm/cold share of a `profiled` model (None when it is a single profile)."""
+  return cm.fit.to_dict() if hasattr(cm, "fit") else None

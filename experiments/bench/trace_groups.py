@@ -54,7 +54,9 @@ def _settings(work: pathlib.Path) -> dict:
           "overrides": single.get("model_overrides", {}),  # e.g. BigLSTM's time_chunks
           # how bench_mp timed the node profiles (part of their cache keys)
           "timing": {"min_time_s": single.get("profile_min_time_s", 0.0),
-                     "flush_bytes": single.get("profile_flush_bytes", 0)}}
+                     "flush_bytes": single.get("profile_flush_bytes", 0)},
+          # the share bench_mp priced between its back-to-back and flushed profiles, if any
+          "cold_share": (single.get("profile_blend") or {}).get("cold_share")}
 
 
 def _spec(cfg: dict):
@@ -229,10 +231,12 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   _, p, s, pure = graph_lib.nnx_pure_loss(spec.make(nnx.Rngs(0)), spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   link = json.loads((work / "link.json").read_text())
-  cm = costs.ProfiledCostModel(
-    g, cache_dir=work / "profiles", branch_remat=cfg["remat"], tasks=True, **cfg["timing"],
-    link=costs.Link(alpha_s=link["alpha_s"], bandwidth_bytes_s=link["bandwidth"], source="bench_mp"),
-  )
+  kw = {"cache_dir": work / "profiles", "branch_remat": cfg["remat"], "tasks": True,
+        "link": costs.Link(alpha_s=link["alpha_s"], bandwidth_bytes_s=link["bandwidth"], source="bench_mp")}
+  if cfg.get("cold_share") is not None:  # priced as bench_mp priced the plan
+    cm = costs.cache_blended(g, cold_share=cfg["cold_share"], **cfg["timing"], **kw)
+  else:
+    cm = costs.ProfiledCostModel(g, **cfg["timing"], **kw)
   plan = planner.Plan.load(_plan_path(work))
   fwd, _ = lockstep.task_times(g, cm)
   _, st, _ = executor.structure_for(

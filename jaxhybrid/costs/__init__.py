@@ -1,6 +1,7 @@
 """Step 2 of the flow: what a node, a transfer and an all-reduce cost on given hardware.
 
-Owns the cost models (`cost_model`: analytic roofline or profiled per node, cached on disk), the
+Owns the cost models (`cost_model`: analytic roofline or profiled per node, cached on disk;
+`cache_blend`: profiled back to back and cache-flushed, blended where the model's step sits), the
 link models and alpha-beta formulas (`links`), hardware specs with their sources (`hardware`),
 and measurements on the current backend that fit or check them (`calibrate`), cached per
 machine with their provenance (`calibration_cache`).
@@ -8,6 +9,7 @@ machine with their provenance (`calibration_cache`).
 May import: `jaxhybrid.graph`, `jaxhybrid.mesh`; never the program, training or projection.
 """
 
+from jaxhybrid.costs.cache_blend import CacheBlendedCostModel, cache_blended
 from jaxhybrid.costs.cost_model import (
   AnalyticCostModel,
   CostModel,
@@ -29,8 +31,8 @@ from jaxhybrid.costs.links import (
 )
 
 __all__ = [
-  "AnalyticCostModel", "CostModel", "Interconnect", "Link", "ProfiledCostModel",
-  "dispatch_time_s", "kernel_count", "median_time_s", "ring_allreduce_time_s", "ring_bottleneck",
+  "AnalyticCostModel", "CacheBlendedCostModel", "CostModel", "Interconnect", "Link", "ProfiledCostModel",
+  "cache_blended", "dispatch_time_s", "kernel_count", "median_time_s", "ring_allreduce_time_s", "ring_bottleneck",
   "time_graph", "time_node", "time_node_tasks", "time_table", "transfer_time_s",
 ]
 

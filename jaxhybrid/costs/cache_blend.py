@@ -1,0 +1,160 @@
+"""Node times between two profiles, warm and cold, at the point the model's own step sits.
+
+A node timed back to back finds its data in the core's caches (the previous run left it there);
+timed after a cache-sized write (`ProfiledCostModel(flush_bytes=...)`) it reads everything from
+memory. Inside a training step a task sees something in between, and where depends on the model:
+a step whose data fits in the caches keeps it there from task to task, one whose data does not
+reads it from memory. Neither profile alone prices every model (bench_mp on this project's 2-core
+VM, one pinned core per device): back-to-back profiles under-priced Inception-V3 small's plans by
+33.5 % (mean step error), cache-flushed ones over-priced the uniform chain's by 15.3 %.
+
+`CacheBlendedCostModel` measures where the model sits: it times the whole forward + backward of
+its graph back to back (one compiled function, as a training loop runs it step after step) and
+takes `cold_share = (whole - warm) / (cold - warm)`, clipped to [0, 1], with warm and cold the sums
+of the node times of the two profiles; every node time (F, B, W and F + B) is then
+`warm + cold_share * (cold - warm)`. Measured on one pinned core of this project's VM (the
+micro-batch graphs bench_mp plans, node sums warm / cold and the whole step):
+
+  chain (1,024 rows)      17.7 / 20.2 ms, whole 17.4 ms  -> 0.0 (the step keeps its data cached)
+  GNMT small (16)          115 / 125 ms, whole 142 ms     -> 1.0
+  BigLSTM small (64)       339 / 294 ms, whole 375 ms     -> 0.0 (here the flushed sum was lower)
+  Inception-V3 small (16)  61.4 / 80.6 ms, whole 90.3 ms  -> 1.0
+
+Assumptions (named here, not pinned down by measurement in general): the whole step differs from
+the node sums by cache reuse only (XLA's fusion across nodes, which the program does not get,
+moves it the other way and is clipped away when it wins); one share per graph (a plan that gives
+each device a smaller part of the model keeps more of it cached, so the share of a one-device
+step prices a plan's devices a little cold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxhybrid import graph as graph_lib
+from jaxhybrid.costs.cost_model import CostModel, ProfiledCostModel
+
+
+def fit_cold_share(warm_s: float, cold_s: float, whole_s: float) -> float:
+  """Where `whole_s` lies from `warm_s` (0) to `cold_s` (1), clipped to [0, 1].
+
+  When the two profiles agree (|cold - warm| below 1e-9 s) the share does not matter: 1.
+  """
+  span = cold_s - warm_s
+  if abs(span) < 1e-9:
+    return 1.0
+  return min(max((whole_s - warm_s) / span, 0.0), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlendFit:
+  """The figures a `CacheBlendedCostModel` fitted its share from (seconds; dispatch subtracted)."""
+
+  warm_sum_s: float
+  cold_sum_s: float
+  whole_s: float
+  cold_share: float
+
+  def to_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+class CacheBlendedCostModel(CostModel):
+  """Profiled node times blended from a back-to-back and a cache-flushed profile (module doc).
+
+  Build with `cache_blended(graph, ...)`, or from two `ProfiledCostModel`s of one graph, the first
+  back to back (`flush_bytes=0`), the second flushed. The share is fitted on first use (it times
+  every node in both profiles and the whole step; all cached on disk like any profile), unless
+  `cold_share` is given. Transfers and all-reduces are the cold model's (its link).
+  """
+
+  source = "profiled"
+
+  def __init__(self, warm: ProfiledCostModel, cold: ProfiledCostModel, *,
+               cold_share: float | None = None):
+    """Args:
+      warm: the back-to-back profile (`flush_bytes=0`).
+      cold: the cache-flushed profile of the same graph, same options otherwise.
+      cold_share: a fixed share in [0, 1] instead of the fitted one.
+
+    Raises:
+      ValueError: the two models are not of one graph, `warm` flushes, `cold` does not, their
+        task options differ, or `cold_share` is outside [0, 1].
+    """
+    if warm.graph is not cold.graph:
+      raise ValueError("warm and cold must profile the same OpGraph object.")
+    if warm.flush_bytes != 0 or cold.flush_bytes <= 0:
+      raise ValueError(
+        f"warm.flush_bytes={warm.flush_bytes}, cold.flush_bytes={cold.flush_bytes}: the warm "
+        "profile runs back to back (0) and the cold one flushes (> 0).")
+    if (warm.tasks, warm.branch_remat) != (cold.tasks, cold.branch_remat):
+      raise ValueError("warm and cold must time the same tasks (tasks=, branch_remat= equal).")
+    if cold_share is not None and not 0.0 <= cold_share <= 1.0:
+      raise ValueError(f"cold_share={cold_share} must be in [0, 1].")
+    self.warm, self.cold = warm, cold
+    self.graph = cold.graph
+    self.link = cold.link
+    self.hardware_name = cold.hardware_name
+    self.cache_path = cold.cache_path
+    self.tasks = cold.tasks
+    self._fixed = cold_share
+    self._fit: BlendFit | None = None
+    if self.tasks:  # attributes only here: callers test hasattr(costs, "forward_time_s")
+      self.forward_time_s = lambda node: self._mix(warm.forward_time_s(node), cold.forward_time_s(node))
+      self.input_grad_time_s = lambda node: self._mix(warm.input_grad_time_s(node),
+                                                      cold.input_grad_time_s(node))
+      self.weight_grad_time_s = lambda node: self._mix(warm.weight_grad_time_s(node),
+                                                       cold.weight_grad_time_s(node))
+
+  @property
+  def fit(self) -> BlendFit:
+    """The share and what it was fitted from (profiles every node twice on first use)."""
+    if self._fit is None:
+      w = sum(self.warm.profile_all())
+      c = sum(self.cold.profile_all())
+      whole = self.warm.whole_step_time_s()
+      share = fit_cold_share(w, c, whole) if self._fixed is None else self._fixed
+      self._fit = BlendFit(warm_sum_s=w, cold_sum_s=c, whole_s=whole, cold_share=share)
+    return self._fit
+
+  @property
+  def cold_share(self) -> float:
+    return self._fixed if self._fixed is not None else self.fit.cold_share
+
+  def _mix(self, warm_s: float, cold_s: float) -> float:
+    return warm_s + self.cold_share * (cold_s - warm_s)
+
+  def node_time_s(self, node: graph_lib.Node) -> float:
+    return self._mix(self.warm.node_time_s(node), self.cold.node_time_s(node))
+
+  def whole_step_time_s(self, graph: graph_lib.OpGraph | None = None) -> float:
+    """The whole forward + backward, back to back (the warm model's; see its method)."""
+    return self.warm.whole_step_time_s(graph)
+
+  def profile_all(self) -> list[float]:
+    """Times (or reads) every node in both profiles and fits the share; blended times in order."""
+    return [self.node_time_s(n) for n in self.graph.nodes]
+
+  @property
+  def measured(self) -> int:
+    """Timings this instance actually made (both profiles)."""
+    return self.warm.measured + self.cold.measured
+
+
+def cache_blended(graph: graph_lib.OpGraph, *, flush_bytes: int | str = "auto",
+                  cold_share: float | None = None, **kwargs: Any) -> CacheBlendedCostModel:
+  """A `CacheBlendedCostModel` of `graph`: two `ProfiledCostModel(graph, **kwargs)`, one back to
+  back and one flushing `flush_bytes` ('auto': the host's cache size, see ProfiledCostModel).
+
+  Raises:
+    ValueError: `flush_bytes` resolves to 0 (nothing to blend: use `ProfiledCostModel`), or as
+      `ProfiledCostModel` and `CacheBlendedCostModel` do.
+  """
+  cold = ProfiledCostModel(graph, flush_bytes=flush_bytes, **kwargs)
+  if cold.flush_bytes <= 0:
+    raise ValueError(
+      f"flush_bytes={flush_bytes!r} flushes nothing on this backend ({cold.backend}): the two "
+      "profiles would be one; use ProfiledCostModel instead.")
+  warm = ProfiledCostModel(graph, flush_bytes=0, **kwargs)
+  return CacheBlendedCostModel(warm, cold, cold_share=cold_share)
