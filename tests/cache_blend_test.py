@@ -50,15 +50,17 @@ def _fake_timers(monkeypatch, whole_s: float):
   return calls
 
 
-def test_fit_cold_share_places_the_whole_step_between_the_profiles():
-  assert cache_blend.fit_cold_share(1.0, 2.0, 1.25) == pytest.approx(0.25)
-  assert cache_blend.fit_cold_share(1.0, 2.0, 0.8) == 0.0  # faster than warm: warm
-  assert cache_blend.fit_cold_share(1.0, 2.0, 3.0) == 1.0  # slower than cold: cold
-  assert cache_blend.fit_cold_share(1.0, 1.0, 5.0) == 1.0  # the profiles agree
-  assert cache_blend.fit_cold_share(2.0, 1.0, 2.5) == 0.0  # cold below warm, whole above warm
+def test_fit_cold_share_tests_the_whole_step_against_the_warm_sum():
+  assert cache_blend.fit_cold_share(1.0, 0.8) == 0.0  # fused below the warm sum: warm
+  assert cache_blend.fit_cold_share(1.0, 1.0 + 0.9 * cache_blend.WARM_MARGIN) == 0.0  # within the margin
+  assert cache_blend.fit_cold_share(1.0, 1.0 + 1.1 * cache_blend.WARM_MARGIN) == 1.0
+  assert cache_blend.fit_cold_share(1.0, 1.2, margin=0.25) == 0.0
+  assert cache_blend.fit_cold_share(1.0, 1.01, margin=0.0) == 1.0
+  with pytest.raises(ValueError, match="margin=-0.1 must be >= 0"):
+    cache_blend.fit_cold_share(1.0, 1.0, margin=-0.1)
 
 
-@pytest.mark.parametrize("whole_s, expected", [(0.010, 0.0), (0.015, 0.5), (0.030, 1.0)])
+@pytest.mark.parametrize("whole_s, expected", [(0.010, 0.0), (0.0125, 0.0), (0.015, 1.0)])
 def test_blended_times_sit_at_the_fitted_share(tmp_path, monkeypatch, whole_s, expected):
   # Node sums (F + B, dispatch not subtracted): warm (1 + 3) + (2 + 6) = 12 ms, flushed 18 ms.
   calls = _fake_timers(monkeypatch, whole_s)
@@ -89,10 +91,10 @@ def test_the_blend_feeds_the_planner_and_lockstep(tmp_path, monkeypatch):
   from jaxhybrid.planner.core import problem as problem_lib
   from jaxhybrid.program import lockstep
 
-  _fake_timers(monkeypatch, 0.015)  # share 0.5
+  _fake_timers(monkeypatch, 0.0)
   g = _graph()
-  cm = costs.cache_blended(g, flush_bytes=FLUSH, cache_dir=tmp_path, repeats=1, warmup=1, link=LINK,
-                           subtract_dispatch=False, tasks=True)
+  cm = costs.cache_blended(g, flush_bytes=FLUSH, cold_share=0.5, cache_dir=tmp_path, repeats=1,
+                           warmup=1, link=LINK, subtract_dispatch=False, tasks=True)
   fwd, bwd = lockstep.task_times(g, cm)
   assert fwd == pytest.approx([0.00125 * (n.id + 1) for n in g.nodes])
   assert bwd == pytest.approx([0.00375 * (n.id + 1) for n in g.nodes])

@@ -10,8 +10,8 @@ bandwidth) and the per-byte update, addition and fill passes. Per model:
    other core meanwhile, as the program keeps both busy) node times are profiled (one core; F
    and B tasks apart, --task_profiles; each timed run after writing 1.5x the host's largest
    cache, --profile_flush_bytes, as a task in the program starts after other work; and again
-   back to back: each time is priced between the two at the share where the model's whole step
-   sits, --profile_cache_blend, jaxhybrid.costs.cache_blend), the
+   back to back: the model's whole step, timed back to back, picks which prices it,
+   --profile_cache_blend, jaxhybrid.costs.cache_blend), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
    heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
 2. (2 processes per configuration, started for it and ended after it: one program per process,

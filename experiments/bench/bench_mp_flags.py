@@ -50,10 +50,10 @@ flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: tim
 flags.DEFINE_integer("profile_flush_bytes", -1, "ProfiledCostModel flush_bytes: write this many "
                      "bytes before every timed run (data out of the caches, as in the program); "
                      "-1: 1.5x the host's largest cache (costs.cache_flush_bytes); 0: off.")
-flags.DEFINE_boolean("profile_cache_blend", True, "Price each node between its back-to-back and "
-                     "its flushed profile, at the share where the model's whole step sits "
-                     "(jaxhybrid.costs.cache_blended; needs a flush, --profile_flush_bytes != 0); "
-                     "False: the --profile_flush_bytes profile alone.")
+flags.DEFINE_boolean("profile_cache_blend", True, "Profile each node back to back and flushed and "
+                     "price it by the one the model's whole step matches (warm when the step is "
+                     "no slower than the warm node sum; jaxhybrid.costs.cache_blended; needs a "
+                     "flush, --profile_flush_bytes != 0); False: the flushed profile alone.")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
