@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+import toy
 from flax import nnx
 
 from jaxhybrid import costs, graph
@@ -17,18 +18,10 @@ LINK = costs.Link(alpha_s=1e-6, bandwidth_bytes_s=1e9)
 FLUSH = 1 << 20
 
 
-class MLP(nnx.Module):
-  def __init__(self, *, rngs: nnx.Rngs):
-    self.l1 = nnx.Linear(16, 64, rngs=rngs)
-    self.l2 = nnx.Linear(64, 8, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jnp.tanh(self.l1(x)))
-
-
 def _graph():
-  model = nnx.eval_shape(lambda: MLP(rngs=nnx.Rngs(0)))
-  return graph.trace(model, lambda m, x: jnp.mean(m(x) ** 2), jax.ShapeDtypeStruct((32, 16), F32), depth=1)
+  model = nnx.eval_shape(lambda: toy.MLP(64, rngs=nnx.Rngs(0)))
+  return graph.trace(model, lambda m, x: jnp.mean(m(x) ** 2), jax.ShapeDtypeStruct((32, toy.DIM), F32),
+                     depth=1)
 
 
 def _fake_timers(monkeypatch, whole_s: float):
