@@ -1,4 +1,4 @@
-"""Node times between two profiles, warm and cold, at the point the model's own step sits.
+"""Node times from a back-to-back (warm) or a cache-flushed (cold) profile, as the model's step shows.
 
 A node timed back to back finds its data in the core's caches (the previous run left it there);
 timed after a cache-sized write (`ProfiledCostModel(flush_bytes=...)`) it reads everything from
@@ -21,6 +21,7 @@ bench_mp profiles):
   chain (1,024 rows)       idle 17.7 / 20.2 ms, whole 17.4;  loaded 18.0 / 22.1, whole 17.4  -> 0
   GNMT small (16 rows)     idle 115 / 125 ms, whole 142;     loaded 120 / 127, whole 140     -> 1
   BigLSTM small (64 rows)  idle 339 / 294 ms, whole 375;     loaded 332 / 338, whole 336     -> 1, 0
+                                                            (another run 257 / 274, 297  -> 1)
   Inception-V3 small (16)  idle 61.4 / 80.6 ms, whole 90.3;  loaded 61.8 / 95.2, whole 82.8  -> 1
 
 Why a test and not the interpolation `(whole - warm) / (cold - warm)`: XLA fuses across nodes in
@@ -33,7 +34,7 @@ either side of its step; its plans' prices barely depend on the choice (loaded, 
 
 Assumptions (named, not pinned down by measurement in general): `WARM_MARGIN`; one share per
 graph (a plan that gives each device a smaller part of the model keeps more of it cached, so a
-one-device step's test prices a plan's devices a little cold, never warm when they are not).
+one-device step's test errs towards pricing a plan's devices cold).
 """
 
 from __future__ import annotations
