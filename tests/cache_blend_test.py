@@ -20,8 +20,8 @@ FLUSH = 1 << 20
 
 def _graph():
   model = nnx.eval_shape(lambda: toy.MLP(64, rngs=nnx.Rngs(0)))
-  return graph.trace(model, lambda m, x: jnp.mean(m(x) ** 2), jax.ShapeDtypeStruct((32, toy.DIM), F32),
-                     depth=1)
+  batch = jax.ShapeDtypeStruct((32, toy.DIM), F32)
+  return graph.trace(model, lambda m, x: jnp.mean(m(x) ** 2), batch, depth=1)
 
 
 def _fake_timers(monkeypatch, whole_s: float):
@@ -45,8 +45,9 @@ def _fake_timers(monkeypatch, whole_s: float):
 
 def test_fit_cold_share_tests_the_whole_step_against_the_warm_sum():
   assert cache_blend.fit_cold_share(1.0, 0.8) == 0.0  # fused below the warm sum: warm
-  assert cache_blend.fit_cold_share(1.0, 1.0 + 0.9 * cache_blend.WARM_MARGIN) == 0.0  # within the margin
-  assert cache_blend.fit_cold_share(1.0, 1.0 + 1.1 * cache_blend.WARM_MARGIN) == 1.0
+  margin = cache_blend.WARM_MARGIN
+  assert cache_blend.fit_cold_share(1.0, 1.0 + 0.9 * margin) == 0.0  # within the margin
+  assert cache_blend.fit_cold_share(1.0, 1.0 + 1.1 * margin) == 1.0
   assert cache_blend.fit_cold_share(1.0, 1.2, margin=0.25) == 0.0
   assert cache_blend.fit_cold_share(1.0, 1.01, margin=0.0) == 1.0
   with pytest.raises(ValueError, match="margin=-0.1 must be >= 0"):
@@ -120,7 +121,8 @@ def test_bad_blends_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="same OpGraph"):
     costs.CacheBlendedCostModel(costs.ProfiledCostModel(_graph(), **kw), cold)
   with pytest.raises(ValueError, match="same tasks"):
-    costs.CacheBlendedCostModel(warm, costs.ProfiledCostModel(g, flush_bytes=FLUSH, tasks=True, **kw))
+    costs.CacheBlendedCostModel(
+      warm, costs.ProfiledCostModel(g, flush_bytes=FLUSH, tasks=True, **kw))
   with pytest.raises(ValueError, match=r"cold_share=1.5 must be in \[0, 1\]"):
     costs.CacheBlendedCostModel(warm, cold, cold_share=1.5)
   with pytest.raises(ValueError, match="flushes nothing"):

@@ -1,4 +1,4 @@
-"""Node times from a back-to-back (warm) or a cache-flushed (cold) profile, as the model's step shows.
+"""Node times from a warm or a cache-flushed profile, whichever the model's own step matches.
 
 A node timed back to back finds its data in the core's caches (the previous run left it there);
 timed after a cache-sized write (`ProfiledCostModel(flush_bytes=...)`) it reads everything from
@@ -117,7 +117,8 @@ class CacheBlendedCostModel(CostModel):
     self._fixed = cold_share
     self._fit: BlendFit | None = None
     if self.tasks:  # attributes only here: callers test hasattr(costs, "forward_time_s")
-      self.forward_time_s = lambda node: self._mix(warm.forward_time_s(node), cold.forward_time_s(node))
+      self.forward_time_s = lambda node: self._mix(warm.forward_time_s(node),
+                                                   cold.forward_time_s(node))
       self.input_grad_time_s = lambda node: self._mix(warm.input_grad_time_s(node),
                                                       cold.input_grad_time_s(node))
       self.weight_grad_time_s = lambda node: self._mix(warm.weight_grad_time_s(node),
