@@ -69,10 +69,10 @@ import provenance
 from absl import app, flags, logging
 from bench_mp_flags import LOCKSTEP_CANDIDATES
 from bench_mp_flags import batch_k as _batch_k
+from bench_mp_flags import blend_fit as _blend_fit
 from bench_mp_flags import model as _model
 from bench_mp_flags import model_sets as _model_sets
 from bench_mp_flags import overrides as _overrides
-from bench_mp_flags import blend_fit as _blend_fit
 from bench_mp_flags import profile_flush_bytes as _flush_bytes
 from bench_mp_flags import profiled as _profiled
 from bench_mp_flags import pack_max_bytes as _pack_max_bytes
