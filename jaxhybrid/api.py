@@ -157,6 +157,12 @@ class Hybrid:
     """The parameters as the model's pytree (gathered on the host)."""
     return jax.tree.unflatten(self.graph.param_treedef, self.program.unpack(state.params))
 
+  def model_state(self, state: program_lib.TrainState) -> Any:
+    """The model's non-parameter state (NNX: BatchNorm statistics, RNG counters) as the steps
+    left it, as the model's pytree (`nnx.update(model, hybrid.model_state(state))`); a loss
+    that writes no state leaves it at the model's initial values."""
+    return jax.tree.unflatten(self.graph.state_treedef, self.program.unpack_model_state(state))
+
 
 def broadcast_text(text: str) -> str:
   """Process 0's `text` on every process (one process: unchanged)."""
@@ -264,14 +270,14 @@ def parallelize(
         f"params= is for linen models; {type(model).__name__} is an nnx.Module, which carries "
         "its parameters: drop params="
       )
-    _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn)
+    _, p, s, pure = graph_lib.nnx_pure_loss(model, loss_fn, with_state=True)
 
     def trace_at(spec_):
       return graph_lib.trace_function(pure, p, s, spec_, depth=depth, max_nodes=max_nodes)
 
     g = trace_at(spec)
-    if pure.updated_state:
-      _warn_state_writes(pure.updated_state)
+    if g.state_uncarried:
+      _warn_state_writes(g.state_uncarried)
     _, _, _, pure_plain = graph_lib.nnx_pure_loss(model, loss_fn, scopes=False)
     # An abstract model (nnx.eval_shape) plans and compiles without allocating its parameters
     # (e.g. `program.memory()` at paper size); its small read-only state is zeros.
@@ -440,18 +446,14 @@ def _check_program_options(options: dict[str, Any]) -> None:
                      "(or pass a planner.TaskSchedule)")
 
 
-def _warn_state_writes(written: Sequence[tuple[str, str]]) -> None:
-  """One warning when the traced loss writes non-parameter model state ((path, Variable type)
-  pairs), which the hybrid step reads but does not carry from one step to the next."""
-  kinds: dict[str, list[str]] = {}
-  for path, kind in written:
-    kinds.setdefault(kind, []).append(path)
-  shown = ", ".join(f"{len(v)} {k} (e.g. {v[0]})" for k, v in sorted(kinds.items()))
+def _warn_state_writes(paths: Sequence[str]) -> None:
+  """One warning when the traced loss writes non-parameter model state the hybrid step cannot
+  carry to the next step (`OpGraph.state_uncarried`: e.g. a PRNG key)."""
+  shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
   msg = (
     f"the loss writes model state the hybrid step does not carry to the next step ({shown}): "
-    "BatchNorm running averages keep their initial values and dropout masks repeat every step "
-    "(its RNG counter does not advance): use such layers in eval mode, or feed per-step "
-    "randomness through the batch (a per-example array of noise)"
+    "such writes are lost after every step; feed per-step randomness through the batch (a "
+    "per-example array of noise) instead"
   )
   warnings.warn(msg, stacklevel=4)
   log.warning("%s", msg)

@@ -371,34 +371,6 @@ def test_batch_missing_a_leaf_names_the_leaves_the_loss_reads(small_hybrid):
   _one_line(e)
 
 
-class DropoutNorm(nnx.Module):
-  """Linear, BatchNorm, Dropout, Linear: layers whose training mode writes model state."""
-
-  def __init__(self, d: int, *, rngs: nnx.Rngs, rate: float = 0.2):
-    self.inp = nnx.Linear(d, d, rngs=rngs)
-    self.bn = nnx.BatchNorm(d, rngs=rngs)
-    self.drop = nnx.Dropout(rate, rngs=rngs)
-    self.out = nnx.Linear(d, d, rngs=rngs)
-
-  def __call__(self, x):
-    return self.out(self.drop(jax.nn.relu(self.bn(self.inp(x)))))
-
-
-def test_state_the_step_does_not_carry_is_named_in_one_warning():
-  batch = regression_batch(8, 8)
-  model = DropoutNorm(8, rngs=nnx.Rngs(0))
-  with pytest.warns(UserWarning, match="dropout masks repeat every step") as rec:
-    api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")
-  msgs = [str(w.message) for w in rec if "does not carry" in str(w.message)]
-  assert len(msgs) == 1 and "\n" not in msgs[0]
-  assert "2 BatchStat (e.g. bn/mean)" in msgs[0] and "1 RngCount (e.g. drop/rngs/count)" in msgs[0]
-  # In eval mode nothing is written: no warning.
-  model.eval()
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    api.parallelize(model, mse, optax.sgd(0.1), batch, mesh="1x1", costs=V100, planner="single")
-
-
 def test_plan_carries_the_one_device_reference_of_the_whole_batch(tmp_path):
   model = TwoTowers(8, rngs=nnx.Rngs(0))
   batch = regression_batch(8, 8)

@@ -71,7 +71,7 @@ def _replay(g: graph.OpGraph, params, state, batch):
   for node in g.nodes:
     outs = g.node_fn(node)(*[env[v] for v in node.invars])
     env.update(zip(node.outvars, outs))
-  (out,) = g.jaxpr.outvars
+  out = g.jaxpr.outvars[0]  # the loss; the outputs after it are state writes
   return out.val if isinstance(out, jex.core.Literal) else env[out]
 
 

@@ -26,11 +26,17 @@ def is_linen_module(model: Any) -> bool:
   return isinstance(model, nn.Module)
 
 
-def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scopes: bool = True):
+def nnx_pure_loss(
+  model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scopes: bool = True,
+  with_state: bool = False,
+):
   """Splits an NNX model into (graphdef, params, state) and a pure `f(params, state, batch)`.
 
   The returned function merges the model inside and, with `scopes`, runs every submodule call
   under a name scope of its attribute path, so equations carry module paths like linen's do.
+  It returns the loss, or with `with_state` `(loss, new_state)`: the model's non-parameter
+  state after the loss ran (BatchNorm running averages, RNG counters), in the structure of
+  `state`, which `jaxhybrid.graph.trace_function` turns into the graph's state writes.
   """
   from flax import nnx
 
@@ -51,11 +57,12 @@ def nnx_pure_loss(model: Any, loss_fn: Callable[[Any, Any], jax.Array], *, scope
     pure.updated_state = sorted({
       (path, kind) for path, (kind, v) in after.items() if before.get(path, (kind, v))[1] is not v
     })
+    if with_state:
+      return out, nnx.split(m, nnx.Param, ...)[2]
     return out
 
   # What the last trace of the loss wrote into the model's non-parameter state (e.g. BatchNorm
-  # running averages, dropout's RNG counter), as (path, Variable type name): the hybrid step reads the
-  # state and does not carry such writes to the next step.
+  # running averages, dropout's RNG counter), as (path, Variable type name).
   pure.updated_state = []
   return graphdef, params, state, pure
 

@@ -101,6 +101,12 @@ class OpGraph:
     param_treedef, state_treedef, batch_treedef: tree structures to rebuild the inputs.
     depth: module-path depth of a uniform cut, or None for the cut refined to `max_nodes`.
     param_split, shards: the leaves split by `jaxhybrid.graph.shard` (empty: none).
+    state_writes: per jaxpr output after the loss (`jaxpr.outvars[1:]`), the index of the
+      state leaf it is the new value of (BatchNorm running averages, RNG counters), when the
+      traced function returns `(loss, new_state)`; the hybrid step carries them to the next.
+    state_uncarried: paths of state leaves the loss writes that are not carried (a dtype
+      that cannot be combined over micro-batches, e.g. a PRNG key, or a new value that is a
+      constant or another input).
   """
 
   nodes: list[Node]
@@ -118,6 +124,8 @@ class OpGraph:
   # whole leaf; () when no leaf is split (`jaxhybrid.graph.shard`).
   param_split: tuple[tuple[int, int, int, int], ...] = ()
   shards: tuple[Any, ...] = ()  # shard.LeafShard per split leaf
+  state_writes: tuple[int, ...] = ()
+  state_uncarried: tuple[str, ...] = ()
 
   # ---- derived views ------------------------------------------------------------------------
   @property
@@ -236,8 +244,10 @@ def _build(
   strip: str | None = None,
 ) -> tuple[list[Node], list[Edge]]:
   jaxpr = closed_jaxpr.jaxpr
+  # Nodes are cut around the loss alone: state writes (jaxpr.outvars[1:]) stay in the module
+  # whose equations make them and do not change the cut.
   groups = coarsen.coarsen(
-    jaxpr.eqns, [_path(e, strip) for e in jaxpr.eqns], jaxpr.outvars, depth=depth,
+    jaxpr.eqns, [_path(e, strip) for e in jaxpr.eqns], jaxpr.outvars[:1], depth=depth,
     max_nodes=max_nodes,
   )
   seen: dict[str, int] = {}
@@ -286,6 +296,7 @@ def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
         n.name, ", ".join(sorted(set(cost.opaque))),
       )
   out_set = {v for v in jaxpr.outvars if not isinstance(v, jex.core.Literal)}
+  state_out = set(jaxpr.outvars[1:]) - {jaxpr.outvars[0]}
   for n in nodes:
     outs = []
     for e in n.eqns:
@@ -295,7 +306,8 @@ def _wire(nodes: list[Node], jaxpr: Any, input_kinds) -> None:
         if v in out_set or any(c != n.id for c in consumers.get(v, ())):
           outs.append(v)
     n.outvars = outs
-    n.out_bytes = sum(aval_bytes(v.aval) for v in outs)
+    # State writes are read once, at the end of the step, not sent on: not activation bytes.
+    n.out_bytes = sum(aval_bytes(v.aval) for v in outs if v not in state_out)
 
 
 def _edges(nodes: list[Node]) -> list[Edge]:
@@ -348,7 +360,9 @@ def trace_function(
   """Traces a pure loss `fn(params, state, batch) -> scalar` to an OpGraph.
 
   Args:
-    fn: the forward loss. `params` are trained; `state` (e.g. BatchNorm statistics) is read only.
+    fn: the forward loss. `params` are trained; `state` (e.g. BatchNorm statistics) is read,
+      and written when `fn` returns `(loss, new_state)` with `new_state` in the structure of
+      `state`: the leaves it changes become the graph's `state_writes`.
     params, state, batch: pytrees of arrays or `jax.ShapeDtypeStruct` (abstract is enough).
     depth: if set, a uniform cut: this many module-path components name a node. None (the
       default): the module tree is refined from the top, splitting the costliest node that has
@@ -365,16 +379,17 @@ def trace_function(
   """
   _check_coarsening(depth, max_nodes)
   params, state, batch = _abstract(params), _abstract(state), _abstract(batch)
-  closed = jax.make_jaxpr(fn)(params, state, batch)
-  outs = closed.jaxpr.outvars
-  if len(outs) != 1 or getattr(outs[0].aval, "shape", None) != ():
-    raise ValueError(
-      f"the loss must return one scalar, got {[getattr(v.aval, 'shape', None) for v in outs]}: "
-      "return the mean loss only"
-    )
+  closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, state, batch)
   p_paths, p_def = _paths(params)
   s_paths, s_def = _paths(state)
   b_paths, b_def = _paths(batch)
+  closed, writes, uncarried = _state_outputs(closed, shapes, len(p_paths), s_paths, s_def)
+  outs = closed.jaxpr.outvars
+  if getattr(outs[0].aval, "shape", None) != ():
+    raise ValueError(
+      f"the loss must return one scalar, got {[getattr(v.aval, 'shape', None) for v in outs]}: "
+      "return the mean loss only (or (loss, new_state))"
+    )
   kinds = (
     [(PARAM, i) for i in range(len(p_paths))]
     + [(STATE, i) for i in range(len(s_paths))]
@@ -387,7 +402,43 @@ def trace_function(
     nodes=nodes, edges=edges, closed_jaxpr=closed, input_kinds=tuple(kinds),
     param_paths=p_paths, state_paths=s_paths, batch_paths=b_paths,
     param_treedef=p_def, state_treedef=s_def, batch_treedef=b_def, depth=depth,
+    state_writes=writes, state_uncarried=uncarried,
   )
+
+
+def _state_outputs(
+  closed: Any, shapes: Any, n_params: int, s_paths: tuple[str, ...], s_def: Any,
+) -> tuple[Any, tuple[int, ...], tuple[str, ...]]:
+  """The traced loss with outputs [loss, *written state leaves] and which state leaf each write
+  is (see `trace_function`); a function returning the loss alone is returned as it is."""
+  outs = closed.jaxpr.outvars
+  if len(outs) == 1:
+    return closed, (), ()
+  ok = (isinstance(shapes, (tuple, list)) and len(shapes) == 2
+        and jax.tree.structure(shapes[1]).num_leaves == len(s_paths)
+        and len(outs) == 1 + len(s_paths))
+  if not ok:
+    raise ValueError(
+      f"the loss returns {len(outs)} arrays: return the mean loss alone, or (loss, new_state) "
+      f"with new_state in the structure of the state input ({len(s_paths)} leaves)"
+    )
+  made = {v for e in closed.jaxpr.eqns for v in e.outvars}
+  invars = closed.jaxpr.invars
+  writes, uncarried = [], []
+  for j, v in enumerate(outs[1:]):
+    if v is invars[n_params + j]:
+      continue  # unchanged
+    numeric = not jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)
+    if isinstance(v, jex.core.Var) and v in made and numeric:
+      writes.append(j)
+    else:
+      uncarried.append(s_paths[j])
+  new_outs = [outs[0]] + [outs[1 + j] for j in writes]
+  dbg = closed.jaxpr.debug_info
+  if dbg is not None:
+    dbg = dbg._replace(result_paths=tuple(f"out{i}" for i in range(len(new_outs))))
+  jaxpr = closed.jaxpr.replace(outvars=new_outs, debug_info=dbg)
+  return jex.core.ClosedJaxpr(jaxpr, closed.consts), tuple(writes), tuple(uncarried)
 
 
 def trace(
@@ -418,7 +469,7 @@ def trace(
     ValueError: for a model that is neither NNX nor linen, or linen without `params`.
   """
   if is_nnx_module(model):
-    _, p, s, pure = nnx_pure_loss(model, loss_fn)
+    _, p, s, pure = nnx_pure_loss(model, loss_fn, with_state=True)
     return trace_function(pure, p, s, batch, depth=depth, max_nodes=max_nodes)
   if is_linen_module(model):
     if params is None:

@@ -138,7 +138,7 @@ def run_groups(
   scatter_ring: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array]]:
   """Runs every group; returns (this device's loss share, flat gradients, whole-window rows,
-  shared gradients).
+  shared gradients, state writes).
 
   The loss share is the mean over micro-batches on the loss node's device and 0 elsewhere; the
   flat gradients are one buffer per dtype holding this device's own gradient rows side by side
@@ -151,6 +151,13 @@ def run_groups(
   is reduce-scattered over 'data' as it leaves its group and the flat buffers hold only this
   replica's share of the rows (1/data of them), summed over the replicas, not yet averaged;
   `scatter_ring`: those reduce-scatters go round a ppermute ring (`zero.reduce_scatter`).
+
+  The state writes (one per `graph.state_writes`, e.g. BatchNorm running averages) are this
+  device's share, zeros where another device's node makes the write: a floating-point write is
+  the mean of its micro-batches' values, any other the last micro-batch's (a counter: every
+  micro-batch starts from the same state, so they all agree). They are accumulated as the F
+  tasks make them, in a carry of the conditionals that make any, so no group buffer holds them
+  until the end of the step.
   """
   g = calls.graph
   k = st.schedule.microbatches
@@ -158,6 +165,7 @@ def run_groups(
   kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
   shared_pos = {leaf: j for j, leaf in enumerate(layout.shared)}
   loss_var = g.jaxpr.outvars[0]
+  write_of = {v: j for j, v in enumerate(g.jaxpr.outvars[1:])}
   me = lax.axis_index(MODEL) if M > 1 else 0
   bufs: dict[tuple, jax.Array] = {}
   # The gradient rows of one dtype live side by side in ONE flat buffer while the groups add
@@ -181,6 +189,11 @@ def run_groups(
   W = int(data) if zero_cuts is not None else 1
   grads = {dt: jnp.zeros((n // W,), dt) for dt, n in flat_len.items()}
   gshared = [jnp.zeros_like(x) for x in inp.shared]
+  writes = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in write_of]
+  writing = {
+    gi for gi, lay in enumerate(st.groups) for _, op in lay.tasks
+    if op.kind == "F" and any(v in write_of for v in g.nodes[op.node].outvars)
+  }
 
   def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
     _on_param_access(d, idx, "read")
@@ -199,7 +212,8 @@ def run_groups(
     gi: int, d: int, lay: tasks_lib.GroupLayout, windows: list[gradients.Window] | None
   ):
     def branch(operand):
-      sh_g, dep = operand
+      sh_g, acc, dep = operand
+      acc = list(acc)
       # This group's parameter gradients, in a window of this device's gradient row.
       # leaf -> its gradient from this device's gradient task (summed over repeated arguments)
       leaf_grads: dict[int, jax.Array] = {}
@@ -263,6 +277,12 @@ def run_groups(
               local[("r", node.id, c, j)] = r
           for v, o in zip(node.outvars, outs):
             local[("a", v, c)] = o
+            if v in write_of:
+              j = write_of[v]
+              if dtypes.is_float(v.aval.dtype):
+                acc[j] = acc[j] + o / jnp.asarray(k, o.dtype)
+              elif c == k - 1:
+                acc[j] = o
           continue
         # B or W: the pullback of F(n, c).
         found = calls.lookups(node.id)
@@ -342,7 +362,7 @@ def run_groups(
           parts.append(jnp.zeros((lay.sizes[lane] - pos,), dt))
         outs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
       if windows is None:
-        return outs, None, _token(dep)
+        return outs, None, acc, _token(dep)
       wins = []
       for w in windows:
         # Gradients at their offsets in the window, zeros between and around: a window that is
@@ -369,7 +389,7 @@ def run_groups(
                  for idx, lk, rid, _ in leaf_rows.get(dt, [])]
         vals = [rows.reshape(-1).astype(dt) for _, _, _, rows in leaf_rows.get(dt, [])]
         scattered.append(lookups_lib.padded(parts, vals, length, dt))
-      return outs, (wins, sh_g, scattered), _token(dep)
+      return outs, (wins, sh_g, scattered), acc, _token(dep)
 
     return branch
 
@@ -379,13 +399,16 @@ def run_groups(
     windows = all_windows[gi]
     carry_grads = windows is not None
     carry = gshared if carry_grads else []
+    acc = writes if gi in writing else []
     if M == 1:
-      outs, new, _ = make_branch(gi, 0, lay, windows)((carry, None))
+      outs, new, acc, _ = make_branch(gi, 0, lay, windows)((carry, acc, None))
     else:
       branches = [make_branch(gi, d, lay, windows) for d in range(M)]
-      outs, new, tok = lax.switch(me, branches, (carry, dep))
+      outs, new, acc, tok = lax.switch(me, branches, (carry, acc, dep))
       if tok is not None:
         tokens = tok if tokens is None else tokens + tok
+    if gi in writing:
+      writes = list(acc)
     if carry_grads:
       wins, gshared, scattered = new
       last: dict[str, Any] = {}
@@ -441,4 +464,4 @@ def run_groups(
     loss = loss + tokens.astype(loss.dtype)
   if M > 1:
     loss = jnp.where(me == st.loss_device, loss, jnp.zeros_like(loss))
-  return loss, grads, whole, gshared
+  return loss, grads, whole, gshared, writes

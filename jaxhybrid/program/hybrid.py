@@ -85,6 +85,26 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _combine_write(x: jax.Array, data: int) -> jax.Array:
+  """A state write's value on every device (inside the step's shard_map): the shares of the
+  model devices summed (only the maker's is nonzero); over data replicas a floating-point write
+  is averaged (as data-parallel training averages BatchNorm statistics), any other taken as the
+  largest (a counter every replica advances alike)."""
+  as_int = x.dtype == jnp.bool_
+  y = lax.psum(x.astype(jnp.int32) if as_int else x, MODEL)
+  if data > 1:
+    y = lax.pmean(y, DATA) if jnp.issubdtype(y.dtype, jnp.floating) else lax.pmax(y, DATA)
+  return y.astype(x.dtype)
+
+
+def _replicated(x: Any, sharding: NamedSharding) -> jax.Array:
+  """A new array of a state leaf on every device (PRNG keys, which numpy cannot hold, copied
+  on device: the step donates what it is given, and the program keeps `x`)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.device_put(x.copy(), sharding)
+  return _global(np.asarray(x), sharding)
+
+
 # ZeRO stages the program runs (see HybridProgram.zero).
 ZERO_STAGES = (0, 1, 2)
 
@@ -311,15 +331,31 @@ class HybridProgram:
     shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
     step = _global(np.zeros((), np.int32), NamedSharding(self.mesh, P()))  # as the step returns it
-    return TrainState(params=params, opt_state=opt_state, step=step)
+    return TrainState(params=params, opt_state=opt_state, step=step,
+                      model_state=self.init_model_state())
+
+  def init_model_state(self) -> tuple[Any, ...]:
+    """The model state a `TrainState` carries: every state leaf, replicated, when the loss
+    writes some (`graph.state_writes`); () when it writes none (the step then reads the state
+    leaves given to `build` as constants)."""
+    if not self.graph.state_writes:
+      return ()
+    rep = NamedSharding(self.mesh, P())
+    return tuple(_replicated(x, rep) for x in self.state_leaves)
+
+  def unpack_model_state(self, ts: TrainState) -> list[np.ndarray]:
+    """The model's state leaves as the step left them (on the host), in `graph.state_paths`
+    order: the initial ones when the loss writes none."""
+    return [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else _host(x)
+            for x in (ts.model_state or self.state_leaves)]
 
   # ---- the step -------------------------------------------------------------------------------
   def _local_loss_and_grads(
     self, owned: dict[str, jax.Array], shared: list[jax.Array], state: Sequence[Any],
     batch: Sequence[Any],
-  ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array]]:
+  ) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array], list[jax.Array], list[Any]]:
     """Runs the task schedule on one device: (loss share, own flat gradients, own rows given
-    whole by one window, shared grads); see `executor.run_groups`."""
+    whole by one window, shared grads, state writes' shares); see `executor.run_groups`."""
     k = self.microbatches
     mbatches = []
     for j, x in enumerate(batch):
@@ -350,9 +386,10 @@ class HybridProgram:
 
     def body(params, opt_state, state, batch):
       owned = jax.tree.map(lambda r: r[0], params["owned"])  # [1, size] -> [size]
-      loss, g_flat, g_whole, g_shared = self._local_loss_and_grads(
+      loss, g_flat, g_whole, g_shared, writes = self._local_loss_and_grads(
         owned, list(params["shared"]), list(state), list(batch)
       )
+      writes = tuple(_combine_write(x, W) for x in writes)
       g_owned = {"flat": g_flat, "whole": g_whole}
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input); under
@@ -365,7 +402,8 @@ class HybridProgram:
         g_shared = [lax.pmean(x, DATA) for x in g_shared]
       loss = lax.pmean(lax.psum(loss, MODEL), DATA)
       if self.zero:
-        return zero_lib.tail(self, params, opt_state, g_owned["flat"], g_shared, loss, sq_worker, W)
+        return zero_lib.tail(
+          self, params, opt_state, g_owned["flat"], g_shared, loss, sq_worker, W) + (writes,)
       sq_global = _sq(g_owned, MODEL) + _sq(g_shared)  # |g|^2 at the global batch
       # g_owned: one flat buffer per dtype (padding zeros add nothing above); the rows are cut
       # from it only now, for the optimizer alone. The barrier keeps XLA from fusing the last
@@ -377,7 +415,7 @@ class HybridProgram:
       grads = {"owned": jax.tree.map(lambda x: x[None], g_rows), "shared": g_shared}
       updates, opt_state = self.optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      return params, opt_state, loss, (sq_worker, sq_global)
+      return params, opt_state, loss, (sq_worker, sq_global), writes
 
     return body, batch_specs, state_specs, W
 
@@ -387,6 +425,7 @@ class HybridProgram:
       return self._step
     body, batch_specs, state_specs, W = self._build_step()
     param_specs = self._param_specs()
+    write_specs = tuple(P() for _ in self.graph.state_writes)
     mesh = self.mesh
     b = self.per_worker_batch
 
@@ -396,18 +435,25 @@ class HybridProgram:
       f = jax.shard_map(
         body, mesh=mesh, check_vma=CHECK_VMA,
         in_specs=(param_specs, opt_specs, state_specs, batch_specs),
-        out_specs=(param_specs, opt_specs, P(), (P(), P())),
+        out_specs=(param_specs, opt_specs, P(), (P(), P()), write_specs),
       )
-      params, opt_state, loss, (sq_worker, sq_global) = f(
-        ts.params, ts.opt_state, tuple(self.state_leaves), tuple(leaves)
+      state_in = tuple(ts.model_state) if self.graph.state_writes else tuple(self.state_leaves)
+      params, opt_state, loss, (sq_worker, sq_global), writes = f(
+        ts.params, ts.opt_state, state_in, tuple(leaves)
       )
+      model_state = ts.model_state
+      if self.graph.state_writes:
+        new = list(ts.model_state)
+        for j, x in zip(self.graph.state_writes, writes):
+          new[j] = x
+        model_state = tuple(new)
       metrics = {"loss": loss, "grad_sq_norm": sq_global}
       if self.zero != 2:
         metrics["worker_grad_sq_norm"] = sq_worker
       if W > 1 and self.zero != 2:  # McCandlish et al. 2018 (appendix A) from the per-worker and global gradients
         g2, tr = noise_lib.noise_scale_estimates(sq_worker, sq_global, b, W * b)
         metrics.update(noise_g2=g2, noise_trace_sigma=tr)
-      return TrainState(params, opt_state, ts.step + 1), metrics
+      return TrainState(params, opt_state, ts.step + 1, model_state), metrics
 
     self._step = jax.jit(step, donate_argnums=0)
     return self._step

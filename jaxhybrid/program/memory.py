@@ -169,8 +169,12 @@ def abstract_state(prog: Any) -> Any:
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(prog.mesh, s)),
     opt, specs, is_leaf=lambda x: isinstance(x, P),
   )
-  step = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(prog.mesh, P()))
-  return TrainState(params=params, opt_state=opt, step=step)
+  rep = NamedSharding(prog.mesh, P())
+  step = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+  model_state = tuple(
+    jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep) for x in prog.state_leaves
+  ) if prog.graph.state_writes else ()
+  return TrainState(params=params, opt_state=opt, step=step, model_state=model_state)
 
 
 def abstract_batch(prog: Any) -> list[jax.ShapeDtypeStruct]:

@@ -192,8 +192,11 @@ DEFAULT_PACK_MAX_BYTES = 1 << 20
 
 
 class TrainState(NamedTuple):
-  """Parameters and optimizer state of the hybrid program (owned rows + shared leaves)."""
+  """Parameters and optimizer state of the hybrid program (owned rows + shared leaves), and the
+  model's non-parameter state when the loss writes some (`OpGraph.state_writes`: every state
+  leaf, replicated, in the order of `OpGraph.state_paths`; empty otherwise)."""
 
   params: dict[str, Any]  # {'owned': {dtype: [model, size]}, 'shared': [leaves]}
   opt_state: Any
   step: jax.Array
+  model_state: tuple[Any, ...] = ()

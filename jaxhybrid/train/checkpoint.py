@@ -1,10 +1,10 @@
 """Orbax checkpoints of a hybrid `TrainState`: every K steps, at the end, and restore for resume.
 
-The parameters and optimizer state are saved as sharded arrays (each process writes its shards;
-orbax coordinates the processes of a multi-host job); the step number travels as JSON next to
-them. Orbax writes each checkpoint to a temporary folder and renames it when complete, so a
-process killed mid-save leaves the previous checkpoints intact and `latest_step` never names a
-partial one.
+The parameters, optimizer state and model state (BatchNorm statistics) are saved as sharded
+arrays (each process writes its shards; orbax coordinates the processes of a multi-host job); the
+step number travels as JSON next to them. Orbax writes each checkpoint to a temporary folder and
+renames it when complete, so a process killed mid-save leaves the previous checkpoints intact and
+`latest_step` never names a partial one.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class Checkpointer:
   def save(self, step: int, state: program_lib.TrainState) -> None:
     """Saves `state` as the checkpoint of `step` (asynchronously; `wait` or `close` to finish)."""
     items = {"params": state.params, "opt_state": state.opt_state}
+    if state.model_state:  # BatchNorm statistics and the like (`TrainState.model_state`)
+      items["model_state"] = list(state.model_state)
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -96,11 +98,27 @@ class Checkpointer:
       UsageError: the checkpoint does not fit `like` (e.g. saved under another plan's rows).
     """
     target = {"params": _abstract(like.params), "opt_state": _abstract(like.opt_state)}
-    try:
-      out = self._manager.restore(
+    if like.model_state:
+      target["model_state"] = _abstract(list(like.model_state))
+
+    def restore(target_: dict[str, Any]) -> Any:
+      return self._manager.restore(
         step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(target_), meta=ocp.args.JsonRestore()),
       )
+
+    try:
+      try:
+        out = restore(target)
+      except (ValueError, TypeError, KeyError):
+        if "model_state" not in target:
+          raise
+        # A checkpoint saved without model state: parameters and optimizer state still resume.
+        out = restore({k: v for k, v in target.items() if k != "model_state"})
+        log.warning(
+          "checkpoint step %d has no model state: BatchNorm statistics and the like restart from "
+          "the model's initial values", step)
+        out["state"]["model_state"] = list(like.model_state)
     except (ValueError, TypeError, KeyError) as e:
       # Typically the parameter rows of another plan (another placement gives rows of other
       # sizes). Nothing is written: the checkpoint stays as it is.
@@ -115,6 +133,7 @@ class Checkpointer:
     return program_lib.TrainState(
       params=items["params"], opt_state=items["opt_state"],
       step=jnp.asarray(meta["step"], dtype=jnp.asarray(like.step).dtype),
+      model_state=tuple(items.get("model_state", ())),
     )
 
   def wait(self) -> None:
