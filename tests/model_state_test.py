@@ -220,3 +220,21 @@ def test_a_checkpoint_without_model_state_resumes_from_the_initial_state(tmp_pat
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   restored, m = hy.step(restored, make_batch(1))  # and it trains on
   assert np.isfinite(float(m["loss"]))
+
+
+def test_memory_counts_the_carried_state_in_the_report_and_the_planner():
+  with_drop = NormNet(rngs=nnx.Rngs(0), rate=0.3)
+  hy = api.parallelize(with_drop, mse, optax.sgd(0.05), make_batch(0), mesh="1x2",
+                       microbatches=2, costs=V100, planner="dp")
+  state_bytes = sum(x.size * x.dtype.itemsize for x in hy.program.state_leaves)
+  assert state_bytes == (2 * 2 * D + 2 * D) * 4 + 4 + 8  # 4 BatchNorm vectors, count, key
+  rep = hy.memory(compile=False)
+  assert rep.model_state == state_bytes
+  assert "model state (carried)" in rep.table()
+  from jaxhybrid import planner
+  from jaxhybrid.planner.core import graph_reads
+  batch = sum(v.aval.size * v.aval.dtype.itemsize for v, (k, _) in
+              zip(hy.graph.jaxpr.invars, hy.graph.input_kinds) if k == graph_lib.BATCH)
+  assert graph_reads.batch_bytes(hy.graph) == batch + state_bytes
+  assert planner.Problem.from_graph(hy.graph, V100, planner.PlannerOptions(devices=2)).held_bytes \
+    >= batch + state_bytes

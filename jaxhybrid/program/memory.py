@@ -55,7 +55,7 @@ GiB = 2**30
 
 
 def _nbytes(tree: Any) -> int:
-  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+  return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +84,9 @@ class MemoryReport:
   compiled_temp: int | None = None
   compiled_output: int | None = None
   compiled_alias: int | None = None
+  # The model state the step carries (`TrainState.model_state`: every state leaf, replicated,
+  # when the loss writes some; its outputs alias it), 0 when it writes none.
+  model_state: int = 0
 
   @property
   def predicted(self) -> int:
@@ -92,7 +95,8 @@ class MemoryReport:
     peak = self.live_peak if self.group_peak is None else self.group_peak
     groups = peak + self.window if self.group_total is None else self.group_total
     return (
-      self.params + self.optimizer + self.gradients + self.batch + max(groups, self.update_temp)
+      self.params + self.optimizer + self.gradients + self.batch + self.model_state
+      + max(groups, self.update_temp)
     )
 
   @property
@@ -124,8 +128,10 @@ class MemoryReport:
                                                    self.live_peak),
       ("peak with in-group values", self.live_peak if self.group_peak is None else self.group_peak),
       ("gradient window", self.window), ("optimizer update (compiled)", self.update_temp), ("batch shard", self.batch),
-      ("predicted total", self.predicted),
     ]
+    if self.model_state:
+      rows.append(("model state (carried)", self.model_state))
+    rows.append(("predicted total", self.predicted))
     if self.compiled is not None:
       rows += [
         ("compiled arguments", self.compiled_arguments), ("compiled temporaries", self.compiled_temp),
@@ -328,7 +334,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
       prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
       data_shards=W if zero else 1, zero=zero, zero_cuts=prog.zero_cuts if zero else None),
     batch=batch_bytes, owned=tuple(owned), padding=tuple(row_bytes - b for b in owned),
-    **fields,
+    model_state=_nbytes(ts.model_state), **fields,
   )
 
 

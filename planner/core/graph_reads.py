@@ -73,7 +73,7 @@ def _inputs_of(graph: Any, kind: str) -> dict[Any, Any] | None:
 
 
 def _nbytes(aval: Any) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+  return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize  # (PRNG keys have one)
 
 
 def shared_params(graph: Any, nodes: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
@@ -94,6 +94,10 @@ def shared_params(graph: Any, nodes: Sequence[Any]) -> list[tuple[int, tuple[int
 
 def batch_bytes(graph: Any) -> int:
   """Bytes of the step's batch inputs (every model-axis device holds the whole batch of its data
-  replica); 0 for a graph that does not say."""
+  replica) and of the model state the step carries when the loss writes some (every state leaf,
+  replicated: `OpGraph.state_writes`); 0 for a graph that does not say."""
   batch = _inputs_of(graph, "batch")
-  return sum(_nbytes(a) for a in batch.values()) if batch else 0
+  out = sum(_nbytes(a) for a in batch.values()) if batch else 0
+  if getattr(graph, "state_writes", ()):
+    out += sum(_nbytes(a) for a in (_inputs_of(graph, "state") or {}).values())
+  return out

@@ -109,7 +109,8 @@ class Problem:
   # `price.device_static_bytes`). The solvers, which see `static_bytes` only, see less than that
   # (a relaxation). () = none.
   shared_static: tuple[tuple[int, tuple[int, ...]], ...] = ()
-  # Bytes of the batch every model-axis device holds (its data replica's); 0 = not modelled.
+  # Bytes of the batch every model-axis device holds (its data replica's), and of the model state
+  # the step carries (graph_reads.batch_bytes); 0 = not modelled.
   batch_bytes: int = 0
   # Per node, the parameter-gradient bytes its gradient task returns as windows of the row: its
   # parameter bytes less the tables it reads by row lookups (those return row gradients,
