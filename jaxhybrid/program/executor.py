@@ -156,8 +156,8 @@ def run_groups(
   device's share, zeros where another device's node makes the write: a floating-point write is
   the mean of its micro-batches' values, any other the last micro-batch's (a counter: every
   micro-batch starts from the same state, so they all agree). They are accumulated as the F
-  tasks make them, in a carry of the conditionals that make any, so no group buffer holds them
-  until the end of the step.
+  tasks make them, each carried through the conditionals of the groups that make it, so no
+  group buffer holds them until the end of the step.
   """
   g = calls.graph
   k = st.schedule.microbatches
@@ -190,10 +190,14 @@ def run_groups(
   grads = {dt: jnp.zeros((n // W,), dt) for dt, n in flat_len.items()}
   gshared = [jnp.zeros_like(x) for x in inp.shared]
   writes = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in write_of]
-  writing = {
-    gi for gi, lay in enumerate(st.groups) for _, op in lay.tasks
-    if op.kind == "F" and any(v in write_of for v in g.nodes[op.node].outvars)
-  }
+  # Per group, the writes its F tasks make (on any device): only those pass through its
+  # conditional (each carried array is copied in and out of it).
+  writing: dict[int, list[int]] = {}
+  for gi, lay in enumerate(st.groups):
+    made = sorted({write_of[v] for _, op in lay.tasks if op.kind == "F"
+                   for v in g.nodes[op.node].outvars if v in write_of})
+    if made:
+      writing[gi] = made
 
   def param_value(idx: int, d: int, rows: dict[str, jax.Array]) -> jax.Array:
     _on_param_access(d, idx, "read")
@@ -211,6 +215,8 @@ def run_groups(
   def make_branch(
     gi: int, d: int, lay: tasks_lib.GroupLayout, windows: list[gradients.Window] | None
   ):
+    carry_at = {j: p for p, j in enumerate(writing.get(gi, ()))}  # write -> position in the carry
+
     def branch(operand):
       sh_g, acc, dep = operand
       acc = list(acc)
@@ -278,7 +284,7 @@ def run_groups(
           for v, o in zip(node.outvars, outs):
             local[("a", v, c)] = o
             if v in write_of:
-              j = write_of[v]
+              j = carry_at[write_of[v]]
               if dtypes.is_float(v.aval.dtype):
                 acc[j] = acc[j] + o / jnp.asarray(k, o.dtype)
               elif c == k - 1:
@@ -399,7 +405,7 @@ def run_groups(
     windows = all_windows[gi]
     carry_grads = windows is not None
     carry = gshared if carry_grads else []
-    acc = writes if gi in writing else []
+    acc = [writes[j] for j in writing.get(gi, ())]
     if M == 1:
       outs, new, acc, _ = make_branch(gi, 0, lay, windows)((carry, acc, None))
     else:
@@ -407,8 +413,8 @@ def run_groups(
       outs, new, acc, tok = lax.switch(me, branches, (carry, acc, dep))
       if tok is not None:
         tokens = tok if tokens is None else tokens + tok
-    if gi in writing:
-      writes = list(acc)
+    for j, x in zip(writing.get(gi, ()), acc):
+      writes[j] = x
     if carry_grads:
       wins, gshared, scattered = new
       last: dict[str, Any] = {}
