@@ -85,16 +85,28 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _combine_write(x: jax.Array, data: int) -> jax.Array:
-  """A state write's value on every device (inside the step's shard_map): the shares of the
+def _combine_writes(writes: Sequence[jax.Array], data: int) -> tuple[jax.Array, ...]:
+  """The state writes' values on every device (inside the step's shard_map): the shares of the
   model devices summed (only the maker's is nonzero); over data replicas a floating-point write
   is averaged (as data-parallel training averages BatchNorm statistics), any other taken as the
-  largest (a counter every replica advances alike)."""
-  as_int = x.dtype == jnp.bool_
-  y = lax.psum(x.astype(jnp.int32) if as_int else x, MODEL)
-  if data > 1:
-    y = lax.pmean(y, DATA) if jnp.issubdtype(y.dtype, jnp.floating) else lax.pmax(y, DATA)
-  return y.astype(x.dtype)
+  largest (a counter every replica advances alike). The writes of one dtype travel as one flat
+  buffer, one collective each: one psum per write cost Inception-V3's 188 BatchNorm statistics
+  188 collectives a step, which over gloo between two processes tripled its step."""
+  by_dtype: dict[Any, list[int]] = {}
+  for j, x in enumerate(writes):
+    by_dtype.setdefault(jnp.int32 if x.dtype == jnp.bool_ else x.dtype, []).append(j)
+  out: list[Any] = list(writes)
+  for dt, idx in by_dtype.items():
+    flat = jnp.concatenate([writes[j].astype(dt).reshape(-1) for j in idx])
+    flat = lax.psum(flat, MODEL)
+    if data > 1:
+      flat = lax.pmean(flat, DATA) if jnp.issubdtype(dt, jnp.floating) else lax.pmax(flat, DATA)
+    pos = 0
+    for j in idx:
+      n = writes[j].size
+      out[j] = flat[pos:pos + n].reshape(writes[j].shape).astype(writes[j].dtype)
+      pos += n
+  return tuple(out)
 
 
 def _replicated(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -389,7 +401,7 @@ class HybridProgram:
       loss, g_flat, g_whole, g_shared, writes = self._local_loss_and_grads(
         owned, list(params["shared"]), list(state), list(batch)
       )
-      writes = tuple(_combine_write(x, W) for x in writes)
+      writes = _combine_writes(writes, W)
       g_owned = {"flat": g_flat, "whole": g_whole}
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input); under
