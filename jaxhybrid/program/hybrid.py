@@ -42,6 +42,7 @@ from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
+from jaxhybrid.program import model_state as model_state_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program import zero as zero_lib
 from jaxhybrid.program.structure import (
@@ -83,38 +84,6 @@ def _host(x: jax.Array) -> np.ndarray:
   from jax.experimental import multihost_utils
 
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _combine_writes(writes: Sequence[jax.Array], data: int) -> tuple[jax.Array, ...]:
-  """The state writes' values on every device (inside the step's shard_map): the shares of the
-  model devices summed (only the maker's is nonzero); over data replicas a floating-point write
-  is averaged (as data-parallel training averages BatchNorm statistics), any other taken as the
-  largest (a counter every replica advances alike). The writes of one dtype travel as one flat
-  buffer, one collective each: one psum per write cost Inception-V3's 188 BatchNorm statistics
-  188 collectives a step, which over gloo between two processes tripled its step."""
-  by_dtype: dict[Any, list[int]] = {}
-  for j, x in enumerate(writes):
-    by_dtype.setdefault(jnp.int32 if x.dtype == jnp.bool_ else x.dtype, []).append(j)
-  out: list[Any] = list(writes)
-  for dt, idx in by_dtype.items():
-    flat = jnp.concatenate([writes[j].astype(dt).reshape(-1) for j in idx])
-    flat = lax.psum(flat, MODEL)
-    if data > 1:
-      flat = lax.pmean(flat, DATA) if jnp.issubdtype(dt, jnp.floating) else lax.pmax(flat, DATA)
-    pos = 0
-    for j in idx:
-      n = writes[j].size
-      out[j] = flat[pos:pos + n].reshape(writes[j].shape).astype(writes[j].dtype)
-      pos += n
-  return tuple(out)
-
-
-def _replicated(x: Any, sharding: NamedSharding) -> jax.Array:
-  """A new array of a state leaf on every device (PRNG keys, which numpy cannot hold, copied
-  on device: the step donates what it is given, and the program keeps `x`)."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.device_put(x.copy(), sharding)
-  return _global(np.asarray(x), sharding)
 
 
 # ZeRO stages the program runs (see HybridProgram.zero).
@@ -353,7 +322,7 @@ class HybridProgram:
     if not self.graph.state_writes:
       return ()
     rep = NamedSharding(self.mesh, P())
-    return tuple(_replicated(x, rep) for x in self.state_leaves)
+    return tuple(model_state_lib.replicated(x, rep) for x in self.state_leaves)
 
   def unpack_model_state(self, ts: TrainState) -> list[np.ndarray]:
     """The model's state leaves as the step left them (on the host), in `graph.state_paths`
@@ -401,7 +370,7 @@ class HybridProgram:
       loss, g_flat, g_whole, g_shared, writes = self._local_loss_and_grads(
         owned, list(params["shared"]), list(state), list(batch)
       )
-      writes = _combine_writes(writes, W)
+      writes = model_state_lib.combine_writes(writes, W)
       g_owned = {"flat": g_flat, "whole": g_whole}
       g_shared = [lax.psum(x, MODEL) for x in g_shared]  # each device holds its uses' share
       # |g_worker|^2 at the per-worker batch, averaged over workers (noise-scale input); under
