@@ -42,6 +42,7 @@ from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import task_schedule as sched_lib
 from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
+from jaxhybrid.program.host_arrays import to_global as _global, to_host as _host
 from jaxhybrid.program import model_state as model_state_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program import zero as zero_lib
@@ -67,23 +68,6 @@ def _sq(tree: Any, psum_axis: str | None = None) -> jax.Array:
   """Sum of squares of a gradient pytree (psum'd over `psum_axis` for per-device shares)."""
   total = gradients.sum_of_squares(tree)
   return lax.psum(total, psum_axis) if psum_axis else total
-
-
-def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """A global array from a host value that every process holds in full (multi-host safe)."""
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x
-  x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
-
-def _host(x: jax.Array) -> np.ndarray:
-  """The full value of a global array on this host (gathers across processes if needed)."""
-  if getattr(x, "is_fully_addressable", True):
-    return np.asarray(x)
-  from jax.experimental import multihost_utils
-
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # ZeRO stages the program runs (see HybridProgram.zero).

@@ -13,12 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from jaxhybrid.mesh import DATA, MODEL
-
-
-def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  from jaxhybrid.program.hybrid import _global as make
-
-  return make(x, sharding)
+from jaxhybrid.program.host_arrays import to_global
 
 
 def combine_writes(writes: Sequence[jax.Array], data: int) -> tuple[jax.Array, ...]:
@@ -50,4 +45,4 @@ def replicated(x: Any, sharding: NamedSharding) -> jax.Array:
   on device: the step donates what it is given, and the program keeps `x`)."""
   if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.device_put(x.copy(), sharding)
-  return _global(np.asarray(x), sharding)
+  return to_global(np.asarray(x), sharding)
