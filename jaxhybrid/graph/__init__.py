@@ -4,7 +4,9 @@ Owns tracing (`jax.make_jaxpr` on abstract inputs, `opgraph`), coarsening equati
 module-level nodes (`coarsen`), per-equation FLOPs and bytes (`eqn_costs`), the Flax linen/NNX adapters
 (`flax_adapters`), how a node's equations are replayed: remat policies (`remat`) and CPU
 convolutions in canonical layout (`convs`), and shard options: large leaves split into one
-piece per model device (`shard`, its jaxpr rules in `shard_rules`).
+piece per model device (`shard`, its jaxpr rules in `shard_rules`) and nodes split by rows of
+the micro-batch (`batch_split`, its test of which equations keep examples apart in
+`batch_rules`).
 
 May import: jax, flax, numpy, and nothing else of jaxhybrid.
 """

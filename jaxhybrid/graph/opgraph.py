@@ -101,6 +101,7 @@ class OpGraph:
     param_treedef, state_treedef, batch_treedef: tree structures to rebuild the inputs.
     depth: module-path depth of a uniform cut, or None for the cut refined to `max_nodes`.
     param_split, shards: the leaves split by `jaxhybrid.graph.shard` (empty: none).
+    batch_splits: the nodes split by rows of the micro-batch (`jaxhybrid.graph.batch_split`).
     state_writes: per jaxpr output after the loss (`jaxpr.outvars[1:]`), the index of the
       state leaf it is the new value of (BatchNorm running averages, RNG counters), when the
       traced function returns `(loss, new_state)`; the hybrid step carries them to the next.
@@ -124,6 +125,7 @@ class OpGraph:
   # whole leaf; () when no leaf is split (`jaxhybrid.graph.shard`).
   param_split: tuple[tuple[int, int, int, int], ...] = ()
   shards: tuple[Any, ...] = ()  # shard.LeafShard per split leaf
+  batch_splits: tuple[Any, ...] = ()  # batch_split.NodeSplit per node split by rows
   state_writes: tuple[int, ...] = ()
   state_uncarried: tuple[str, ...] = ()
 
