@@ -38,6 +38,9 @@ _ZERO = flags.DEFINE_integer(
 _SHARD = flags.DEFINE_boolean(
   "shard", True, "Let the planner split large parameter leaves (embedding, softmax and big dense "
   "tables) into one piece per model device; --noshard keeps every leaf whole.")
+_BATCH_SPLIT = flags.DEFINE_boolean(
+  "batch_split", False, "Also let the planner split big nodes by rows of the micro-batch, one "
+  "piece per model device (its parameters replicated on those devices).")
 _MEMORY_CAP = flags.DEFINE_float(
   "memory_cap_gib", None, "Planner memory cap per device, GiB (default: the hardware's memory).")
 _DRY_RUN = flags.DEFINE_boolean(
@@ -86,6 +89,7 @@ def main(argv):
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
       schedule=_SCHEDULE.value, zero=_ZERO.value, shard=_SHARD.value,
+      batch_split=_BATCH_SPLIT.value,
       memory_cap_gib=_MEMORY_CAP.value, dry_run=_DRY_RUN.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),

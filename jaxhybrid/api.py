@@ -28,6 +28,7 @@ import optax
 from jaxhybrid import graph as graph_lib
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
+from jaxhybrid.graph import batch_split as batch_lib
 from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid.program.plan_check import PlanCheck, reference_step
 from jaxhybrid.program.plan_check import check_plan as _check_plan
@@ -275,6 +276,9 @@ def parallelize(
     def trace_at(spec_):
       return graph_lib.trace_function(pure, p, s, spec_, depth=depth, max_nodes=max_nodes)
 
+    def small_trace():  # the loss at 1/M of the micro-batch, for splits by rows
+      return batch_lib.trace_small(pure, p, s, spec, per_example, model_ax)
+
     g = trace_at(spec)
     if g.state_uncarried:
       _warn_state_writes(g.state_uncarried)
@@ -303,6 +307,10 @@ def parallelize(
     def trace_at(spec_):
       return graph_lib.trace(model, loss_fn, spec_, params=params, depth=depth, max_nodes=max_nodes)
 
+    def small_trace():
+      return batch_lib.trace_small(lambda p_, s_, b_: loss_fn(p_, b_), params, {}, spec,
+                                   per_example, model_ax)
+
     g = trace_at(spec)
     state_leaves = []
 
@@ -319,33 +327,48 @@ def parallelize(
   # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
   g_traced = g
   skipped: tuple[tuple[str, str], ...] = ()
+
+  def apply_splits(g_: graph_lib.OpGraph, plan_: Any) -> graph_lib.OpGraph:
+    if getattr(plan_, "batch_splits", ()):
+      g_ = batch_lib.apply(g_, small_trace(), model_ax, plan_.batch_splits)
+    return shard_lib.apply(g_, model_ax, getattr(plan_, "shards", ()))
+
   if plan is not None:
-    g = shard_lib.apply(g, model_ax, getattr(plan, "shards", ()))
+    g = apply_splits(g, plan)
   elif model_ax > 1:
     popts = planner_lib.PlannerOptions(devices=model_ax).replace(**{
-      k: v for k, v in (planner_options or {}).items() if k in ("shard_rules", "shard_min_fraction")})
+      k: v for k, v in (planner_options or {}).items()
+      if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction")})
+    if "batch" in popts.shard_rules:  # nodes split by rows first: leaves are split in them
+      g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
+                                   min_fraction=popts.batch_split_min_fraction)
     g, report = shard_lib.shard_leaves(
-      g, model_ax, rules=tuple(popts.shard_rules), min_fraction=popts.shard_min_fraction)
-    skipped = report.skipped
+      g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
+      min_fraction=popts.shard_min_fraction)
+    pieces = {name for x in g.batch_splits for name in x.piece_nodes}
+    by_pieces = {g.param_paths[j] for n in g.nodes if n.name in pieces for j in n.param_leaves}
+    skipped = tuple((path, "read whole by the row pieces of its node (batch split)")
+                    if path in by_pieces else (path, why) for path, why in report.skipped)
   c = costs if costs is not None else default_costs(hardware)
   state_factor = optimizer_state_factor(optimizer, g_traced)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
   def planned(opts: dict[str, Any]) -> tuple[graph_lib.OpGraph, Any, PlanCheck | None]:
     g_ = g
-    if g_.shards:
+    if g_.shards or g_.batch_splits:
       plan_, sharded = planner_lib.place_shard_or_whole(g_, g_traced, c, model_ax, **opts)
       g_ = g_ if sharded else g_traced
     else:
       plan_ = planner_lib.place(g_, c, devices=model_ax, **opts)
     plan_, check_ = _check_plan(g_, plan_, c, model_ax, microbatches, prog_opts, fall_back=True)
     plan_ = dataclasses.replace(plan_, shards=tuple(x.to_json() for x in g_.shards),
+                                batch_splits=tuple(x.to_json() for x in g_.batch_splits),
                                 shard_skipped=skipped)
     if jax.process_count() > 1:
       # Every process must run the same program: time-limited searches (and ties) can differ
       # between processes, and different plans would deadlock in the first collective.
       plan_ = planner_lib.Plan.from_json(broadcast_text(plan_.to_json()))
-      g_ = shard_lib.apply(g_traced, model_ax, plan_.shards)
+      g_ = apply_splits(g_traced, plan_)
     return g_, plan_, check_
 
   def build(g_: graph_lib.OpGraph, plan_: Any) -> tuple[Any, Any]:

@@ -23,9 +23,12 @@ def _peak(plan: Plan) -> float:
 
 
 def spreads(plan: Plan, graph: Any) -> bool:
-  """Whether `plan` (of the split `graph`) puts the pieces of some split leaf on two devices."""
+  """Whether `plan` (of the split `graph`) puts the pieces of some split leaf, or of some node
+  split by rows, on two devices."""
   where = dict(zip(plan.node_names, plan.assignment))
-  return any(len({where.get(n) for n in s.shard_nodes}) > 1 for s in graph.shards)
+  pieces = [s.shard_nodes for s in graph.shards]
+  pieces += [s.piece_nodes for s in getattr(graph, "batch_splits", ())]
+  return any(len({where.get(n) for n in p}) > 1 for p in pieces)
 
 
 def whole_on_split(whole: Plan, graph: Any) -> tuple[int, ...]:

@@ -216,3 +216,60 @@ def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule
   # The layers' weights are read on every device: replicated, their gradients summed.
   assert prog.layout.shared
   assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+def test_a_plan_with_nodes_split_by_rows_round_trips_and_trains_exactly():
+  """The plan records its splits (schema 5); `parallelize(plan=...)` re-applies them to a fresh
+  trace and trains as the single-device reference does."""
+  import dataclasses
+
+  from conftest import LIGHT_DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+  from jaxhybrid import planner as planner_lib
+
+  model, batch = toy.LSTMNet(rngs=nnx.Rngs(3)), toy.lstm_batch(16, seed=4)
+  opt = optax.adam(1e-2)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss, with_state=True)
+  g, small, _ = _traced(pure, p, s, batch, 2, micro=8)
+  g2, report = batch_split.split_batch(g, small, 2, ["l0", "l1"])
+  plan = planner_lib.place(g2, api.default_costs("cpu"), devices=2, microbatches=2,
+                           **LIGHT_DETERMINISTIC_PLANNER)
+  plan = dataclasses.replace(plan, assignment=tuple(_pieces_spread(g2, 2)), task_schedule="1f1b",
+                             batch_splits=tuple(x.to_json() for x in report.splits))
+  loaded = planner_lib.Plan.from_json(plan.to_json())
+  assert loaded.schema_version == 5 and loaded.batch_splits == plan.batch_splits
+  assert "node l0: batch split, rows over 2 devices (pieces on [0, 1])" in loaded.summary()
+  # Older plans load with no node split.
+  old = {k: v for k, v in plan.to_dict().items() if k != "batch_splits"} | {"schema_version": 4}
+  assert planner_lib.Plan.from_dict(old).batch_splits == ()
+  # A plan for other splits is a one-line error.
+  with pytest.raises(ValueError, match="re-plan"):
+    batch_split.apply(g, small, 2, [dict(report.splits[0].to_json(), bounds=[0, 3, 8])])
+  hy = api.parallelize(model, toy.lstm_loss, opt, batch, mesh="1x2", microbatches=2, plan=loaded)
+  assert [n.name for n in hy.graph.nodes] == [n.name for n in g2.nodes]
+  state = hy.init()
+  losses = []
+  for _ in range(3):
+    state, metrics = hy.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  ref = jax.jit(jax.value_and_grad(lambda p_, b_: pure(p_, s, b_)[0]))
+  params, o = p, opt.init(p)
+  for i in range(3):
+    loss, grads = ref(params, batch)
+    np.testing.assert_allclose(losses[i], loss, rtol=1e-5)
+    u, o = opt.update(grads, o, params)
+    params = optax.apply_updates(params, u)
+  for a, b in zip(hy.program.unpack(state.params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_planner_options_take_the_batch_rule():
+  from jaxhybrid import planner as planner_lib
+
+  opts = planner_lib.PlannerOptions(shard_rules=("batch",), batch_split_min_fraction=0.2)
+  assert opts.shard_rules == ("batch",)
+  with pytest.raises(ValueError, match="use some of lookup, column, batch"):
+    planner_lib.PlannerOptions(shard_rules=("rows",))
+  with pytest.raises(ValueError, match="batch_split_min_fraction"):
+    planner_lib.PlannerOptions(batch_split_min_fraction=1.5)

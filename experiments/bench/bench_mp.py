@@ -120,7 +120,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   spec, model = _model(name)
   b, k = _batch_k(name)
   batch = spec.synthetic_batch(0, b)
-  micro_spec, _ = api.microbatch_spec(batch, b, b // k)
+  micro_spec, per_example = api.microbatch_spec(batch, b, b // k)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn)
   g = graph_lib.trace_function(pure, p, s, micro_spec)
   cm = _profiled(g, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
@@ -167,6 +167,29 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
       methods.append(f"{FLAGS.planner}+shard")
       graphs.append((g_sh, cm_sh))
       pick = {"planner_keeps_sharded": bool(planner.keeps_sharded(sh, plan, graph=g_sh))}
+  if FLAGS.batch_candidate:
+    # The same planner on the graph with its big nodes split by rows of the micro-batch
+    # (`jaxhybrid.graph.batch_split`, PlannerOptions.batch_split_min_fraction), seeded by the
+    # placement-only plan: the plan `parallelize` makes with shard_rules including 'batch'.
+    from jaxhybrid.graph import batch_split as batch_lib
+
+    small = batch_lib.trace_small(pure, p, s, micro_spec, per_example, 2)
+    g_b, _ = batch_lib.split_batch(
+      g, small, 2, min_fraction=planner.PlannerOptions().batch_split_min_fraction)
+    if g_b.batch_splits:
+      cm_b = _profiled(
+        g_b, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
+        min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
+        tasks=FLAGS.task_profiles)
+      cm_b.profile_all()
+      seed = planner.place_shards.whole_on_split(plan, g_b)
+      bp = planner.place(g_b, cm_b, devices=2, microbatches=k, method=FLAGS.planner,
+                         time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
+      bp = dataclasses.replace(bp, batch_splits=tuple(x.to_json() for x in g_b.batch_splits))
+      cands.append(bp)
+      methods.append(f"{FLAGS.planner}+batch")
+      graphs.append((g_b, cm_b))
+      pick["planner_keeps_batch_split"] = bool(planner.keeps_sharded(bp, plan, graph=g_b))
   priced = [lockstep.plan_step_s(gc, c, cmc, pass_costs=pc, branch_remat=FLAGS.branch_remat,
                                  schedule=_schedule()) for c, (gc, cmc) in zip(cands, graphs)]
   rank = sorted(range(len(cands)), key=lambda i: (priced[i].step_s, i))
@@ -180,13 +203,15 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     stale.unlink()
   timed = list(distinct.values())[: max(1, FLAGS.autotune)]
   # The sharded graph's plan is always timed (beside the best placement-only ones).
-  timed += [i for i in distinct.values() if cands[i].shards and i not in timed]
+  timed += [i for i in distinct.values()
+            if (cands[i].shards or cands[i].batch_splits) and i not in timed]
   for i in timed:
     plan_id = f"plan_{name}_{len(tuned)}"
     cands[i].save(work / f"{plan_id}.json")
     t = priced[i]
     tuned.append({
       "plan_id": plan_id, "method": methods[i], "sharded": bool(cands[i].shards),
+      "batch_split": [x["node"] for x in cands[i].batch_splits],
       "predicted_rank": len(tuned),
       "schedule": _schedule() or getattr(getattr(cands[i], "task_schedule", None), "kind", None),
       "k": cands[i].microbatches, "groups": t.groups, "transfers": t.transfers,
@@ -362,7 +387,8 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--profile_min_time_s={FLAGS.profile_min_time_s}",
     f"--profile_flush_bytes={FLAGS.profile_flush_bytes}",
     f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}",
-    f"--budget_s={FLAGS.budget_s}",
+    f"--budget_s={FLAGS.budget_s}", f"--shard_candidate={FLAGS.shard_candidate}",
+    f"--batch_candidate={FLAGS.batch_candidate}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",
     f"--steps={FLAGS.steps}", f"--warmup={FLAGS.warmup}", f"--rounds={FLAGS.rounds}", f"--workdir={FLAGS.workdir}",
   ]

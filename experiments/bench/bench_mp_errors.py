@@ -60,6 +60,10 @@ The row (experiments/results/bench_mp.json holds one per model):
 - Shard or place (when the graph has leaves to split): `sharded_over_placement_only` (the
   sharded candidate's step over the best placement-only one), `planner_keeps_sharded` (the
   choice `parallelize` makes between them, `planner.keeps_sharded`), `planner_pick_measured_speedup`.
+- Batch split (with --batch_candidate): `batch_split_over_placement_only` (the step of the
+  plan with big nodes split by rows over the best placement-only candidate's) and
+  `planner_keeps_batch_split` (whether `planner.keeps_sharded` keeps it); a candidate's
+  `batch_split` lists its split nodes.
 - `plan`: the planner's `plan_status`, `plan_gap`, `plan_time_s` (profiling + placement),
   `place_s`.
 - With --compare_unpacked: `step_s_plan_unpacked` (every transfer its own ppermute) and
@@ -157,8 +161,14 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
                           "measured_at": calibration.get("provenance", {}).get("measured_at")}
   # Shard or place, measured in the same rounds: the best placement-only candidate, the plan
   # with shard options, and the one of the two the planner keeps (`planner.keeps_sharded`).
-  whole = [c for c in cands if not c.get("sharded")]
+  whole = [c for c in cands if not c.get("sharded") and not c.get("batch_split")]
   sharded = [c for c in cands if c.get("sharded")]
+  by_rows = [c for c in cands if c.get("batch_split")]
+  if whole and by_rows:
+    row["batch_split_over_placement_only"] = (min(c["measured_step_s"] for c in by_rows)
+                                              / min(c["measured_step_s"] for c in whole))
+    if "planner_keeps_batch_split" in single:
+      row["planner_keeps_batch_split"] = bool(single["planner_keeps_batch_split"])
   if whole and sharded:
     row["sharded_over_placement_only"] = (min(c["measured_step_s"] for c in sharded)
                                           / min(c["measured_step_s"] for c in whole))

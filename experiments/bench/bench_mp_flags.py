@@ -21,6 +21,9 @@ flags.DEFINE_boolean("choose_lockstep", True, "Run whichever of the planner's pl
 flags.DEFINE_boolean("shard_candidate", True, "Also plan the graph with shard options (large "
                      "leaves split over the two devices) and time that plan beside the "
                      "placement-only candidates.")
+flags.DEFINE_boolean("batch_candidate", False, "Also plan the graph with its big nodes split by "
+                     "rows of the micro-batch over the two devices and time that plan beside "
+                     "the placement-only candidates.")
 flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
                      "first) on the two devices and run the fastest; 1 runs the lock-step "
                      "model's choice untimed against the others.")

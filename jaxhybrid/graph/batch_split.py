@@ -107,9 +107,15 @@ def split_node(g: OpGraph, small: Any, devices: int, name: str,
   if not piece_src:
     first = next((reasons[id(e)] for e in node.eqns if id(e) in reasons), "no examples")
     return f"its first equations mix examples ({first})"
-  made = {v for e in piece_src for v in e.outvars}
-  read_later = {v for e in rest for v in e.invars if var(v)} | set(node.outvars)
-  sent = [v for e in piece_src for v in e.outvars if v in made and v in read_later]
+  # What the post node reads: the rest's inputs, the node's outputs, and the inputs of the
+  # static equations it reruns for those.
+  needed = {v for e in rest for v in e.invars if var(v)} | set(node.outvars)
+  post_static = []
+  for e in reversed(static):
+    if any(v in needed for v in e.outvars):
+      post_static.insert(0, e)
+      needed.update(v for v in e.invars if var(v))
+  sent = [v for e in piece_src for v in e.outvars if v in needed]
   if any(axes.get(v) is None for v in sent):
     return "sends on a value without examples"
   if not any(axes.get(v) is not None for v in node.invars if var(v)):
@@ -149,11 +155,7 @@ def split_node(g: OpGraph, small: Any, devices: int, name: str,
   for v in sent:
     body, _ = _splice(lambda *ps, a=axes[v]: lax.concatenate(list(ps), a), partials[v], [v])
     post.extend(body)
-  needed = {v for e in rest for v in e.invars if var(v)} | set(node.outvars)
-  for e in reversed(static):  # the static equations the post node reads, with their inputs
-    if any(v in needed for v in e.outvars):
-      needed.update(v for v in e.invars if var(v))
-  post.extend(e for e in static if any(v in needed for v in e.outvars))
+  post.extend(post_static)
   post.extend(rest)
   base = f"{name}/batch"
   pieces = [Node(id=0, name=f"{base}{d}", eqns=piece_eqns[d]) for d in range(devices)]
@@ -174,7 +176,8 @@ def _micro_rows(g: OpGraph, axes: dict[Any, int | None]) -> int:
 
 
 def split_batch(
-  g: OpGraph, small: Any, devices: int, nodes: Sequence[str] | None = None,
+  g: OpGraph, small: Any, devices: int, nodes: Sequence[str] | None = None, *,
+  min_fraction: float = 0.0,
 ) -> tuple[OpGraph, BatchSplitReport]:
   """Splits nodes of `g` by rows of the micro-batch into `devices` pieces (module docstring).
 
@@ -183,7 +186,8 @@ def split_batch(
     small: the same loss traced at 1/`devices` of `g`'s micro-batch (a `ClosedJaxpr` or an
       `OpGraph`; `batch_split.trace_small` makes it).
     devices: the pieces per node (the model axis).
-    nodes: the node names to split (each must qualify), or None: every node that qualifies.
+    nodes: the node names to split (each must qualify), or None: every node of at least
+      `min_fraction` of the forward FLOPs that qualifies.
 
   Returns:
     The rewritten graph and a report (a node not split and why, for `nodes=None`).
@@ -209,7 +213,9 @@ def split_batch(
     _check_top(g.jaxpr, small.jaxpr, devices, axes)
   except batch_rules.NotRowwise as e:
     why_all = str(e)
-  wanted = list(nodes) if nodes is not None else names
+  total = max(g.total_flops, 1.0)
+  wanted = (list(nodes) if nodes is not None else
+            [n.name for n in g.nodes if n.flops >= min_fraction * total])
   splits, skipped = [], []
   new_nodes: list[Node] = []
   for n in g.nodes:
@@ -267,6 +273,24 @@ def _check_top(big: Any, small: Any, m: int, axes: dict[Any, Any]) -> None:
         except batch_rules.NotRowwise:
           axes[vb] = None
   axes[_REASONS] = reasons
+
+
+def apply(g: OpGraph, small: Any, devices: int, splits: Sequence[NodeSplit | dict]) -> OpGraph:
+  """The graph a plan with these node splits (`NodeSplit`s or their JSON, as `Plan.batch_splits`
+  holds them) was made for.
+
+  Raises:
+    ValueError: a node this model does not split the same way (re-plan)."""
+  if not splits:
+    return g
+  splits = [s if isinstance(s, NodeSplit) else NodeSplit.from_json(s) for s in splits]
+  got, _ = split_batch(g, small, devices, [s.node for s in splits])
+  want = [(s.node, tuple(s.bounds)) for s in splits]
+  have = [(s.node, tuple(s.bounds)) for s in got.batch_splits]
+  if sorted(want) != sorted(have):
+    raise ValueError(f"the plan splits the rows of {want} but this model splits {have} on "
+                     f"{devices} devices: re-plan")
+  return got
 
 
 def mixing(g: OpGraph, small: Any, devices: int) -> dict[str, list[str]]:

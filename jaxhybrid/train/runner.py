@@ -88,6 +88,10 @@ class RunConfig:
   # may be split into one piece per model device, each placed by the planner
   # (jaxhybrid.graph.shard); False keeps every leaf whole.
   shard: bool = True
+  # Also offer the batch split: nodes of at least PlannerOptions.batch_split_min_fraction of the
+  # forward FLOPs may run as one piece per model device on their rows of the micro-batch
+  # (jaxhybrid.graph.batch_split). Off by default: not yet measured on the pinned benchmark.
+  batch_split: bool = False
   # The planner's memory cap per device, GiB; None = the hardware profile's device memory.
   memory_cap_gib: float | None = None
   # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
@@ -327,7 +331,8 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
         microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
         planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
                          **({"progress": progress} if shown else {}),
-                         **({} if config.shard else {"shard_rules": ()}),
+                         **({"shard_rules": (("lookup", "column") if config.shard else ())
+                             + (("batch",) if config.batch_split else ())}),
                          **({"memory_caps_bytes": int(config.memory_cap_gib * 2**30)}
                             if config.memory_cap_gib else {}),
                          **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,

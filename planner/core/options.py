@@ -177,7 +177,14 @@ class PlannerOptions:
   # rows of a table read by gathers; 'column': a free dimension of a dense layer's weight); ()
   # keeps every leaf whole (the placement-only problem). Each split leaf's pieces are nodes the
   # placement puts anywhere: on one device the leaf is kept whole, on several it is sharded.
+  # 'batch' (opt-in, not in the default): nodes holding at least batch_split_min_fraction of
+  # the forward FLOPs are also offered split by rows of the micro-batch, one piece per device
+  # (`jaxhybrid.graph.batch_split`).
   shard_rules: tuple[str, ...] = ("lookup", "column")
+  # Assumption: a node is offered a batch split when it holds at least this fraction of the
+  # forward FLOPs (each split adds M nodes to the problem; smaller nodes gain less than the
+  # split's own slices, concatenation and messages cost).
+  batch_split_min_fraction: float = 0.05
   # Assumption: only leaves of at least this fraction of the parameter bytes are offered
   # (`shard.SHARD_MIN_FRACTION`; each adds M + 1 nodes to the problem).
   shard_min_fraction: float = 0.1
@@ -219,10 +226,13 @@ class PlannerOptions:
       raise ValueError(f"gap={self.gap!r}: use a relative gap in [0, 1).")
     if self.solver not in SOLVERS:
       raise ValueError(f"solver={self.solver!r}: use one of {SOLVERS}.")
-    bad_rules = set(self.shard_rules) - {"lookup", "column"}
+    bad_rules = set(self.shard_rules) - {"lookup", "column", "batch"}
     if bad_rules:
-      raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column (or () to "
-                       "keep every leaf whole).")
+      raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column, batch (or "
+                       "() to keep every leaf and node whole).")
+    if not 0.0 <= self.batch_split_min_fraction <= 1.0:
+      raise ValueError(f"batch_split_min_fraction={self.batch_split_min_fraction!r}: use a "
+                       "fraction in [0, 1].")
     if self.activation_model not in ("saved", "outputs"):
       raise ValueError(f"activation_model={self.activation_model!r}: use 'saved' or 'outputs'.")
     if not 0.0 <= self.spread_tolerance < 1.0:

@@ -27,8 +27,10 @@ from jaxhybrid.planner.core.task_schedule import TaskSchedule
 # in lock step; the fused task model's makespan, which earlier versions stored under those names,
 # is `fused_makespan_s` / `fused_speedup` (the search's warm start, not what runs). Older plans
 # load with their `predicted_*` figures moved to the `fused_*` fields.
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: adds `batch_splits` (nodes split by rows of the micro-batch, one piece per model device;
+# `jaxhybrid.graph.batch_split`). Older plans load with no node split.
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +121,9 @@ class Plan:
   # Leaves large enough to be offered (`shard_min_fraction`) that no rule could split, with the
   # reason, as (path, reason) pairs (schema 4, optional: () when none or not recorded).
   shard_skipped: tuple[tuple[str, str], ...] = ()
+  # ---- Nodes split by rows (schema 5): per node, `jaxhybrid.graph.batch_split.NodeSplit
+  # .to_json()`; applied to the traced graph before the leaves are split (`batch_split.apply`).
+  batch_splits: tuple[Mapping[str, Any], ...] = ()
 
   @property
   def predicted_step_s(self) -> float:
@@ -170,6 +175,7 @@ class Plan:
     out["device_peak_bytes"] = list(self.device_peak_bytes)
     out["memory_caps_bytes"] = list(self.memory_caps_bytes)
     out["shards"] = [dict(x) for x in self.shards]
+    out["batch_splits"] = [dict(x) for x in self.batch_splits]
     out["shard_skipped"] = [list(x) for x in self.shard_skipped]
     # Derived (read-only): written for readers of the JSON, ignored when loading version 4.
     out["predicted_step_s"] = self.predicted_step_s
@@ -214,6 +220,7 @@ class Plan:
         kw[key] = tuple(data.get(key, ()))
       kw["shards"] = tuple(dict(x) for x in data.get("shards", ()))
       kw["shard_skipped"] = tuple((str(p), str(r)) for p, r in data.get("shard_skipped", ()))
+      kw["batch_splits"] = tuple(dict(x) for x in data.get("batch_splits", ()))
       return cls(**kw)
     except (KeyError, TypeError) as err:
       raise ValueError(f"Malformed plan: {err}") from err
@@ -257,6 +264,12 @@ class Plan:
       out.append(f"  leaf {s['path']}: {s['rule']} split on axis {s['axis']}, {how}")
     out += [f"  leaf {path}: kept whole, no shard rule applies ({why})"
             for path, why in self.shard_skipped]
+    where = dict(zip(self.node_names, self.assignment))
+    for s in self.batch_splits:
+      devs = [int(where[n]) for n in s.get("piece_nodes", ()) if n in where]
+      how = (f"all rows on device {devs[0]}" if len(set(devs)) == 1 else
+             f"rows over {len(set(devs))} devices (pieces on {devs})")
+      out.append(f"  node {s['node']}: batch split, {how}")
     return out
 
   def _schedule_name(self) -> str:
