@@ -340,8 +340,12 @@ def parallelize(
       k: v for k, v in (planner_options or {}).items()
       if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction")})
     if "batch" in popts.shard_rules:  # nodes split by rows first: leaves are split in them
-      g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
-                                   min_fraction=popts.batch_split_min_fraction)
+      if micro % model_ax:
+        log.info("no batch split: a micro-batch of %d rows does not split over %d devices",
+                 micro, model_ax)
+      else:
+        g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
+                                     min_fraction=popts.batch_split_min_fraction)
     g, report = shard_lib.shard_leaves(
       g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
       min_fraction=popts.shard_min_fraction)

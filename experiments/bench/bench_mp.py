@@ -146,49 +146,45 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     methods += list(LOCKSTEP_CANDIDATES)
   graphs = [(g, cm)] * len(cands)
   pick = {}
+  def split_candidate(g_x, method: str, **record):
+    """The same planner on a split graph, seeded by the placement-only plan mapped onto it (as
+    `parallelize` does), appended to the candidates; returns its plan."""
+    cm_x = _profiled(
+      g_x, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
+      min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
+      tasks=FLAGS.task_profiles)
+    cm_x.profile_all()
+    seed = planner.place_shards.whole_on_split(plan, g_x)
+    x = planner.place(g_x, cm_x, devices=2, microbatches=k, method=FLAGS.planner,
+                      time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
+    x = dataclasses.replace(x, **record)
+    cands.append(x)
+    methods.append(f"{FLAGS.planner}+{method}")
+    graphs.append((g_x, cm_x))
+    return x
+
   if FLAGS.shard_candidate:
-    # The same planner on the graph with shard options (large leaves split into one piece per
-    # device, `jaxhybrid.graph.shard`), seeded by the placement-only plan, as `parallelize` does;
-    # the plan a user gets is whichever of the two `planner.keeps_sharded` keeps.
+    # The graph with shard options (large leaves split into one piece per device,
+    # `jaxhybrid.graph.shard`); the plan a user gets is whichever of the two
+    # `planner.keeps_sharded` keeps.
     from jaxhybrid.graph import shard as shard_lib
 
     g_sh, _ = shard_lib.shard_leaves(g, 2)
     if g_sh.shards:
-      cm_sh = _profiled(
-        g_sh, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
-        min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
-        tasks=FLAGS.task_profiles)
-      cm_sh.profile_all()
-      seed = planner.place_shards.whole_on_split(plan, g_sh)
-      sh = planner.place(g_sh, cm_sh, devices=2, microbatches=k, method=FLAGS.planner,
-                         time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
-      sh = dataclasses.replace(sh, shards=tuple(x.to_json() for x in g_sh.shards))
-      cands.append(sh)
-      methods.append(f"{FLAGS.planner}+shard")
-      graphs.append((g_sh, cm_sh))
-      pick = {"planner_keeps_sharded": bool(planner.keeps_sharded(sh, plan, graph=g_sh))}
+      sh = split_candidate(g_sh, "shard", shards=tuple(x.to_json() for x in g_sh.shards))
+      pick["planner_keeps_sharded"] = bool(planner.keeps_sharded(sh, plan, graph=g_sh))
   if FLAGS.batch_candidate:
-    # The same planner on the graph with its big nodes split by rows of the micro-batch
-    # (`jaxhybrid.graph.batch_split`, PlannerOptions.batch_split_min_fraction), seeded by the
-    # placement-only plan: the plan `parallelize` makes with shard_rules including 'batch'.
+    # The graph with its big nodes split by rows of the micro-batch
+    # (`jaxhybrid.graph.batch_split`, PlannerOptions.batch_split_min_fraction): the plan
+    # `parallelize` makes with shard_rules including 'batch'.
     from jaxhybrid.graph import batch_split as batch_lib
 
     small = batch_lib.trace_small(pure, p, s, micro_spec, per_example, 2)
     g_b, _ = batch_lib.split_batch(
       g, small, 2, min_fraction=planner.PlannerOptions().batch_split_min_fraction)
     if g_b.batch_splits:
-      cm_b = _profiled(
-        g_b, cache_dir=work / "profiles", link=calib.link(work), warmup_s=FLAGS.profile_warmup_s,
-        min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat,
-        tasks=FLAGS.task_profiles)
-      cm_b.profile_all()
-      seed = planner.place_shards.whole_on_split(plan, g_b)
-      bp = planner.place(g_b, cm_b, devices=2, microbatches=k, method=FLAGS.planner,
-                         time_limit_s=FLAGS.time_limit, seed_assignments=(seed,), **kinds)
-      bp = dataclasses.replace(bp, batch_splits=tuple(x.to_json() for x in g_b.batch_splits))
-      cands.append(bp)
-      methods.append(f"{FLAGS.planner}+batch")
-      graphs.append((g_b, cm_b))
+      bp = split_candidate(g_b, "batch",
+                           batch_splits=tuple(x.to_json() for x in g_b.batch_splits))
       pick["planner_keeps_batch_split"] = bool(planner.keeps_sharded(bp, plan, graph=g_b))
   priced = [lockstep.plan_step_s(gc, c, cmc, pass_costs=pc, branch_remat=FLAGS.branch_remat,
                                  schedule=_schedule()) for c, (gc, cmc) in zip(cands, graphs)]
