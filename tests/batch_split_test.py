@@ -199,10 +199,11 @@ def _pieces_spread(g, M):
   return [int(n.name.rsplit("/batch", 1)[1]) % M if "/batch" in n.name else 0 for n in g.nodes]
 
 
-@pytest.mark.parametrize("mesh_spec,k,schedule", [
-  ("1x2", 2, "1f1b"), ("2x2", 1, "zb"), ("1x4", 1, "gpipe"),
+@pytest.mark.parametrize("mesh_spec,k,schedule,zero", [
+  ("1x2", 2, "1f1b", 0), ("2x2", 1, "zb", 0), ("1x4", 1, "gpipe", 0),
+  ("2x2", 2, "1f1b", 1),  # the optimizer state sharded over 'data' too
 ])
-def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule):
+def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule, zero):
   model, batch = toy.LSTMNet(rngs=nnx.Rngs(1)), toy.lstm_batch(16, seed=2)
   opt = optax.adam(1e-2)
   m = mesh_lib.make(mesh_spec)
@@ -212,7 +213,7 @@ def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule
   g, report = batch_split.split_batch(g, small, M, ["l0", "l1"])
   prog = program_lib.HybridProgram.build(
     g, m, opt, _pieces_spread(g, M), microbatches=k, state=s, per_example=per_example,
-    schedule=schedule)
+    schedule=schedule, zero=zero)
   # The layers' weights are read on every device: replicated, their gradients summed.
   assert prog.layout.shared
   assert_matches_reference(prog, p, s, pure, batch, opt)
@@ -273,3 +274,19 @@ def test_planner_options_take_the_batch_rule():
     planner_lib.PlannerOptions(shard_rules=("rows",))
   with pytest.raises(ValueError, match="batch_split_min_fraction"):
     planner_lib.PlannerOptions(batch_split_min_fraction=1.5)
+
+
+def test_linen_modules_split_by_rows_keep_loss_and_gradients():
+  model = toy.LinenTowers(width=16)
+  batch = toy.regression_batch(8)
+  params = model.init(jax.random.key(0), batch["x"])["params"]
+
+  def loss(p, b):
+    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+  g = graph_lib.trace(model, loss, batch, params=params)
+  small = batch_split.trace_small(lambda p_, s_, b_: loss(p_, b_), params, {}, batch,
+                                  [True, True], 2)
+  g2, report = batch_split.split_batch(g, small, 2)
+  assert {"a/l1", "a/l2", "b/l1", "b/l2"} <= {x.node for x in report.splits}, report
+  _assert_same_loss_and_grads(g, g2, jax.tree.leaves(params), {}, batch)
