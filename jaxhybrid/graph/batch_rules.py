@@ -103,7 +103,8 @@ def varying_consts(big: Any, small: Any) -> set[Any]:
           if np.shape(a) == np.shape(b) and not _same(a, b)}
 
 
-def check_jaxpr(big: Any, small: Any, m: int, axes: dict[Any, int | None]) -> None:
+def check_jaxpr(big: Any, small: Any, m: int, axes: dict[Any, int | None],
+                reasons: dict[int, str] | None = None) -> None:
   """Checks every equation of `big` (paired with `small`, traced at 1/m of the batch), filling
   `axes` with the batch axis of every value; raises `NotRowwise` for the first one that mixes
   examples."""
@@ -114,7 +115,18 @@ def check_jaxpr(big: Any, small: Any, m: int, axes: dict[Any, int | None]) -> No
                     list(small.constvars) + list(small.invars)):
     axes[vb] = axis_of(vb, vs, m)
   for eb, es in zip(big.eqns, small.eqns):
-    check_eqn(eb, es, m, axes)
+    if reasons is None:
+      check_eqn(eb, es, m, axes)
+      continue
+    try:  # record the equation (by id) and go on: other nodes may still be split
+      check_eqn(eb, es, m, axes)
+    except NotRowwise as e:
+      reasons[id(eb)] = str(e)
+      for vb, vs in zip(eb.outvars, es.outvars):
+        try:
+          axes[vb] = axis_of(vb, vs, m)
+        except NotRowwise:
+          axes[vb] = None
 
 
 def _ax(v: Any, axes: dict[Any, int | None]) -> int | None:

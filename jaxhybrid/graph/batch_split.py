@@ -253,25 +253,10 @@ _REASONS = "__reasons__"
 
 
 def _check_top(big: Any, small: Any, m: int, axes: dict[Any, Any]) -> None:
-  """Like `batch_rules.check_jaxpr`, but an equation that mixes examples is recorded (by id)
-  with its reason and its outputs marked, instead of ending the check: other nodes may still
-  be split."""
-  if len(big.eqns) != len(small.eqns):
-    raise batch_rules.NotRowwise("the model traces to other equations at another batch size")
-  for vb, vs in zip(list(big.constvars) + list(big.invars),
-                    list(small.constvars) + list(small.invars)):
-    axes[vb] = batch_rules.axis_of(vb, vs, m)
+  """`batch_rules.check_jaxpr`, recording each equation that mixes examples (by id, under
+  `_REASONS`) instead of ending the check."""
   reasons: dict[int, str] = {}
-  for eb, es in zip(big.eqns, small.eqns):
-    try:
-      batch_rules.check_eqn(eb, es, m, axes)
-    except batch_rules.NotRowwise as e:
-      reasons[id(eb)] = str(e)
-      for vb, vs in zip(eb.outvars, es.outvars):
-        try:
-          axes[vb] = batch_rules.axis_of(vb, vs, m)
-        except batch_rules.NotRowwise:
-          axes[vb] = None
+  batch_rules.check_jaxpr(big, small, m, axes, reasons)
   axes[_REASONS] = reasons
 
 
