@@ -41,6 +41,10 @@ _SHARD = flags.DEFINE_boolean(
 _BATCH_SPLIT = flags.DEFINE_boolean(
   "batch_split", False, "Also let the planner split big nodes by rows of the micro-batch, one "
   "piece per model device (its parameters replicated on those devices).")
+_BATCH_SPLIT_PARAMS = flags.DEFINE_enum(
+  "batch_split_params", "replicated", ["replicated", "split"],
+  "With --batch_split, how a split node's parameters are stored: replicated on the devices its "
+  "pieces run on, or split in one slice per model device (gathered for each micro-batch).")
 _MEMORY_CAP = flags.DEFINE_float(
   "memory_cap_gib", None, "Planner memory cap per device, GiB (default: the hardware's memory).")
 _DRY_RUN = flags.DEFINE_boolean(
@@ -89,7 +93,7 @@ def main(argv):
       model=_MODEL.value, size=_SIZE.value, mesh=_MESH.value, batch=_BATCH.value,
       microbatches=_MICRO.value, planner=_PLANNER.value, time_limit_s=_TIME_LIMIT.value,
       schedule=_SCHEDULE.value, zero=_ZERO.value, shard=_SHARD.value,
-      batch_split=_BATCH_SPLIT.value,
+      batch_split=_BATCH_SPLIT.value, batch_split_params=_BATCH_SPLIT_PARAMS.value,
       memory_cap_gib=_MEMORY_CAP.value, dry_run=_DRY_RUN.value,
       hardware=_HARDWARE.value, data=_DATA.value, steps=_STEPS.value, workdir=_WORKDIR.value,
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),

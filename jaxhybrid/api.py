@@ -338,14 +338,16 @@ def parallelize(
   elif model_ax > 1:
     popts = planner_lib.PlannerOptions(devices=model_ax).replace(**{
       k: v for k, v in (planner_options or {}).items()
-      if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction")})
+      if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction",
+               "batch_split_params")})
     if "batch" in popts.shard_rules:  # nodes split by rows first: leaves are split in them
       if micro % model_ax:
         log.info("no batch split: a micro-batch of %d rows does not split over %d devices",
                  micro, model_ax)
       else:
         g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
-                                     min_fraction=popts.batch_split_min_fraction)
+                                     min_fraction=popts.batch_split_min_fraction,
+                                     params=popts.batch_split_params)
     g, report = shard_lib.shard_leaves(
       g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
       min_fraction=popts.shard_min_fraction)

@@ -195,32 +195,46 @@ def test_tiny_paper_models_split_by_rows_keep_loss_and_gradients(name):
 
 
 def _pieces_spread(g, M):
-  """Piece d of every split node on device d; every other node on device 0."""
-  return [int(n.name.rsplit("/batch", 1)[1]) % M if "/batch" in n.name else 0 for n in g.nodes]
+  """Piece d (and parameter holder d) of every split node on device d; other nodes on device 0."""
+  import re
+
+  out = []
+  for n in g.nodes:
+    m = re.search(r"/(batch|params)(\d+)$", n.name)
+    out.append(int(m.group(2)) % M if m else 0)
+  return out
 
 
-@pytest.mark.parametrize("mesh_spec,k,schedule,zero", [
-  ("1x2", 2, "1f1b", 0), ("2x2", 1, "zb", 0), ("1x4", 1, "gpipe", 0),
-  ("2x2", 2, "1f1b", 1),  # the optimizer state sharded over 'data' too
+@pytest.mark.parametrize("mesh_spec,k,schedule,zero,params", [
+  ("1x2", 2, "1f1b", 0, "replicated"), ("2x2", 1, "zb", 0, "replicated"),
+  ("1x4", 1, "gpipe", 0, "replicated"),
+  ("2x2", 2, "1f1b", 1, "replicated"),  # the optimizer state sharded over 'data' too
+  ("1x4", 2, "gpipe", 0, "split"), ("2x2", 2, "1f1b", 1, "split"), ("2x2", 1, "zb", 0, "split"),
 ])
-def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule, zero):
+def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule, zero, params):
   model, batch = toy.LSTMNet(rngs=nnx.Rngs(1)), toy.lstm_batch(16, seed=2)
   opt = optax.adam(1e-2)
   m = mesh_lib.make(mesh_spec)
   M, data = m.shape["model"], m.shape["data"]
   _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss)
   g, small, per_example = _traced(pure, p, s, batch, M, micro=16 // (data * k))
-  g, report = batch_split.split_batch(g, small, M, ["l0", "l1"])
+  g, report = batch_split.split_batch(g, small, M, ["l0", "l1"], params=params)
   prog = program_lib.HybridProgram.build(
     g, m, opt, _pieces_spread(g, M), microbatches=k, state=s, per_example=per_example,
     schedule=schedule, zero=zero)
-  # The layers' weights are read on every device: replicated, their gradients summed.
-  assert prog.layout.shared
+  if params == "replicated":
+    # The layers' weights are read on every device: replicated, their gradients summed.
+    assert prog.layout.shared
+  else:
+    # Nothing is replicated and no device stores every leaf: the layers' are in slices.
+    assert not prog.layout.shared
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(p))
+    assert max(prog.layout.bytes_per_device()) < total
   assert_matches_reference(prog, p, s, pure, batch, opt)
 
 
 def test_a_plan_with_nodes_split_by_rows_round_trips_and_trains_exactly():
-  """The plan records its splits (schema 5); `parallelize(plan=...)` re-applies them to a fresh
+  """The plan records its splits (schema 5 and later); `parallelize(plan=...)` re-applies them to a fresh
   trace and trains as the single-device reference does."""
   import dataclasses
 
@@ -239,7 +253,7 @@ def test_a_plan_with_nodes_split_by_rows_round_trips_and_trains_exactly():
   plan = dataclasses.replace(plan, assignment=tuple(_pieces_spread(g2, 2)), task_schedule="1f1b",
                              batch_splits=tuple(x.to_json() for x in report.splits))
   loaded = planner_lib.Plan.from_json(plan.to_json())
-  assert loaded.schema_version == 5 and loaded.batch_splits == plan.batch_splits
+  assert loaded.schema_version == planner_lib.SCHEMA_VERSION and loaded.batch_splits == plan.batch_splits
   assert "node l0: batch split, rows over 2 devices (pieces on [0, 1])" in loaded.summary()
   # Older plans load with no node split.
   old = {k: v for k, v in plan.to_dict().items() if k != "batch_splits"} | {"schema_version": 4}
@@ -265,11 +279,82 @@ def test_a_plan_with_nodes_split_by_rows_round_trips_and_trains_exactly():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("devices", [2, 4])
+def test_parameters_stored_in_slices_keep_loss_and_gradients(devices):
+  """params='split': each split node's leaves are cut into M slices, one per holder node; the
+  pieces gather them (FSDP inside the node) and the loss and gradients stay exact."""
+  from jaxhybrid.graph import shard
+
+  model, batch = toy.LSTMNet(rngs=nnx.Rngs(0)), toy.lstm_batch(8)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss)
+  g, small, _ = _traced(pure, p, s, batch, devices)
+  g2, report = batch_split.split_batch(g, small, devices, ["l0", "out"], params="split")
+  leaves = jax.tree.leaves(p)
+  by_name = {n.name: n for n in g2.nodes}
+  for x in report.splits:
+    assert x.split_params and len(x.param_nodes) == devices
+    # Holder j owns slice j of every stored leaf, and no other node reads a parameter of it.
+    for j, h in enumerate(x.param_nodes):
+      held = [g2.param_paths[i] for i in by_name[h].param_leaves]
+      assert len(held) == len(x.split_params)
+      assert all(path.startswith(tuple(x.split_params)) for path in held)
+    for name in x.piece_nodes + (x.node,):
+      assert not set(by_name[name].param_leaves) & {
+        i for h in x.param_nodes for i in by_name[h].param_leaves}
+  # The slices tile each user leaf: cutting and joining gives the leaves back.
+  back = shard.join_leaves(g2, shard.split_leaves(g2, leaves))
+  assert all(np.array_equal(a, b) for a, b in zip(back, leaves))
+  l_want, want = jax.value_and_grad(lambda pl: _run(g, pl, s, batch))(leaves)
+  l_got, got = jax.value_and_grad(
+    lambda pl: _run(g2, shard.split_leaves(g2, pl), s, batch))(leaves)
+  np.testing.assert_allclose(l_got, l_want, rtol=1e-5)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # A node whose parameters another node also reads keeps them replicated: here none is shared,
+  # so every parameter of the split nodes is stored in slices.
+  assert sum(len(x.split_params) for x in report.splits) == sum(
+    1 for path in g.param_paths if path.startswith(("['l0']", "['out']")))
+
+
+def test_a_split_with_parameters_in_slices_round_trips_through_the_plan():
+  import dataclasses
+
+  from jaxhybrid import planner as planner_lib
+
+  model, batch = toy.LSTMNet(rngs=nnx.Rngs(3)), toy.lstm_batch(8, seed=4)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss)
+  g, small, _ = _traced(pure, p, s, batch, 2)
+  g2, report = batch_split.split_batch(g, small, 2, ["l1"], params="split")
+  saved = [batch_split.NodeSplit.from_json(x.to_json()) for x in report.splits]
+  assert saved == list(report.splits)
+  again = batch_split.apply(g, small, 2, [x.to_json() for x in report.splits])
+  assert [n.name for n in again.nodes] == [n.name for n in g2.nodes]
+  assert again.param_paths == g2.param_paths and again.param_split == g2.param_split
+  from conftest import LIGHT_DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+
+  plan = planner_lib.place(g2, api.default_costs("cpu"), devices=2, microbatches=1,
+                           **LIGHT_DETERMINISTIC_PLANNER)
+  plan = dataclasses.replace(plan, assignment=tuple(_pieces_spread(g2, 2)),
+                             batch_splits=tuple(x.to_json() for x in report.splits))
+  loaded = planner_lib.Plan.from_json(plan.to_json())
+  assert loaded.batch_splits == plan.batch_splits
+  assert "3 parameter leaves in 2 slices on devices [0, 1]" in loaded.summary()
+  # The same split with the parameters replicated is another graph: a one-line error.
+  with pytest.raises(ValueError, match="re-plan"):
+    batch_split.apply(g, small, 2, [dataclasses.replace(report.splits[0], split_params=(
+      report.splits[0].split_params[0],))])
+
+
 def test_planner_options_take_the_batch_rule():
   from jaxhybrid import planner as planner_lib
 
   opts = planner_lib.PlannerOptions(shard_rules=("batch",), batch_split_min_fraction=0.2)
   assert opts.shard_rules == ("batch",)
+  assert opts.batch_split_params == "replicated"
+  with pytest.raises(ValueError, match="batch_split_params"):
+    planner_lib.PlannerOptions(batch_split_params="sharded")
   with pytest.raises(ValueError, match="use some of lookup, column, batch"):
     planner_lib.PlannerOptions(shard_rules=("rows",))
   with pytest.raises(ValueError, match="batch_split_min_fraction"):

@@ -55,6 +55,16 @@ _PLANNED_ROWS = flags.DEFINE_list(
   "'<row model>_1x<M>_over_fsdp' (FSDP from the same model's registry row at that M, when "
   "present) and 'planner_device_error_max' (the planner's per-device figure against the "
   "compiled bytes, every device of every planned row).")
+_BATCH_SPLIT_ROWS = flags.DEFINE_list(
+  "batch_split_rows", [],
+  "<model>:<M>:<k> (chain, or <registry name>:<size>:<M>:<k>): every node that splits by rows "
+  "of the micro-batch split over 1 x M (`batch_split.split_batch`, nodes of >= 5 % of the "
+  "FLOPs), pieces and parameter slices one per device, the other nodes where the placed rows "
+  "put them; compiled with the split nodes' parameters 'replicated' and 'split', beside the "
+  "placed program and FSDP. Rows '<model>@batch_split_<params>' and '<model>@placed'; summary "
+  "keys '<model>_1x<M>_k<k>_batch_split_<params>_over_fsdp' and "
+  "'..._split_over_replicated'. Default none: bench_memory_batch_split.json is written by "
+  "`--models= --fixed_microbatch= --planned_rows= --zero_rows= --batch_split_rows=...`.")
 _ZERO_STAGES = flags.DEFINE_list("zero_stages", ["0", "1", "2"], "ZeRO stages of the zero rows.")
 _UPDATE = flags.DEFINE_boolean(
   "update", False, "Keep the rows already in --out and replace (or add) only the rows this run "
@@ -190,6 +200,65 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
           f"{min(planner_err):+6.1%}..{max(planner_err):+6.1%}; leaves split {len(spread)}, "
           f"spread {sum(spread)}; predicted step {hy.plan.predicted_step_s * 1e3:.1f} ms", flush=True)
     _write(out_path, rows, skipped, slot_min_bytes)
+
+
+def _batch_split_rows(rows, skipped, out_path, slot_min_bytes):
+  """Per --batch_split_rows entry: the same model with its nodes split by rows, parameters
+  replicated vs stored in slices, beside the placed program and FSDP (same devices, batch, k)."""
+  import re
+
+  import jax
+
+  from jaxhybrid import api
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid import program as program_lib
+  from jaxhybrid.graph import batch_split
+
+  for entry in _BATCH_SPLIT_ROWS.value:
+    *name, m, k = entry.split(":")
+    name, m, k = ":".join(name), int(m), int(k)
+    if name == "chain":
+      model, loss, batch, opt, assign = _chain_setup(2048, 8, 64 * k)
+    else:
+      model, loss, batch, opt, assign = _registry_setup(*name.split(":"))
+      # micro-batches of the registry rows' batch (8 rows, or the paper's per-GPU batch) each
+      rows_per = jax.tree.leaves(batch)[0].shape[0]
+      model, loss, batch, opt, assign = _registry_setup(*name.split(":"), rows_per * k)
+    mesh = mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m])
+    b = jax.tree.leaves(batch)[0].shape[0]
+    spec, per_example = api.microbatch_spec(batch, b, b // k)
+    _, p, s, pure = graph_lib.nnx_pure_loss(model, loss, with_state=True)
+    g0 = graph_lib.trace_function(pure, p, s, spec)
+    placed = _hybrid(model, loss, batch, opt, assign, m, k, "1f1b")
+    where = dict(zip((n.name for n in placed.graph.nodes), placed.program.assignment))
+    small = batch_split.trace_small(pure, p, s, spec, per_example, m)
+    fsdp = _baselines(model, loss, batch, opt, m, modes=("fsdp",))["fsdp"]["total"]
+    for label, prog in [("placed", placed.program)] + [
+        (f"batch_split_{params}", None) for params in batch_split.PARAMS]:
+      t0 = time.perf_counter()
+      try:
+        if prog is None:
+          g, rep = batch_split.split_batch(g0, small, m, min_fraction=0.05,
+                                           params=label.rsplit("_", 1)[1])
+          own = [re.search(r"/(batch|params)(\d+)$", n.name) for n in g.nodes]
+          prog = program_lib.HybridProgram.build(
+            g, mesh, opt, [int(o.group(2)) if o else int(where[n.name])
+                           for o, n in zip(own, g.nodes)],
+            microbatches=k, state=s, per_example=per_example, schedule="1f1b")
+        r = prog.memory()
+      except Exception as e:  # noqa: BLE001 - reported, not fatal
+        skipped.append(f"{entry} {label}: {type(e).__name__}: {str(e)[:200]}")
+        print("SKIPPED", skipped[-1], flush=True)
+        continue
+      rows.append({"model": f"{name}@{label}", "M": m, "k": k, "schedule": "1f1b",
+                   "nodes": len(prog.graph.nodes), **r.to_dict(), "fsdp_total": fsdp,
+                   "seconds": time.perf_counter() - t0})
+      print(f"{name + '@' + label:<32} 1x{m} k={k:<3} compiled {r.compiled / GiB:8.3f} GiB "
+            f"(args {r.compiled_arguments / GiB:.3f}, temp {r.compiled_temp / GiB:.3f}) "
+            f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%} | FSDP {fsdp / GiB:8.3f}",
+            flush=True)
+      _write(out_path, rows, skipped, slot_min_bytes)
 
 
 def _zero_rows(rows, skipped, out_path, slot_min_bytes):
@@ -336,6 +405,7 @@ def main(argv):
       _write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)
   _planned_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   _zero_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
+  _batch_split_rows(rows, skipped, out_path, structure.SLOT_MIN_BYTES)
   # The summary of the file's rows (with --update, the kept ones too), as written.
   print(json.dumps(_summary(_write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)), indent=1))
 
@@ -409,6 +479,19 @@ def _summary(rows):
       if b and base:
         out[f"{model}_1x{m}_over_fsdp"] = b / base["baselines"]["fsdp"]["total"]
         out[f"{model}_1x{m}_over_dp"] = b / base["baselines"]["dp"]["total"]
+  for r in rows:
+    if "@batch_split_" in r["model"]:
+      name, label = r["model"].split("@")
+      key = f"{name}_1x{r['M']}_k{r['k']}_{label}"
+      out[f"{key}_over_fsdp"] = r["compiled"] / r["fsdp_total"]
+      placed = next((x for x in rows if x["model"] == f"{name}@placed" and x["M"] == r["M"]
+                     and x["k"] == r["k"]), None)
+      if placed:
+        out[f"{key}_over_placed"] = r["compiled"] / placed["compiled"]
+      rep = next((x for x in rows if x["model"] == f"{name}@batch_split_replicated"
+                  and x["M"] == r["M"] and x["k"] == r["k"]), None)
+      if rep and label == "batch_split_split":
+        out[f"{key}_over_replicated"] = r["compiled"] / rep["compiled"]
   planned = [e for r in rows if "@planner" in r["model"] for e in r.get("planner_device_error", ())]
   if planned:  # the planner's per-device figure against the compiled program, every device
     out["planner_device_error_max"] = max(abs(e) for e in planned)

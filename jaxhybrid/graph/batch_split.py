@@ -13,9 +13,11 @@ is right by construction.
 Like a leaf split (`jaxhybrid.graph.shard`) this is a rewrite of the op graph, not a new kind of
 node: the planner places each piece like any node (pieces on different devices share the work;
 all on one device are the whole node plus a split's overhead), and the program runs it as it
-runs any graph. The node's parameters are read by M nodes: placed on several devices they are
-replicated there and their gradients summed over 'model', as a tied embedding's are, so a
-batch split divides a node's compute and activations, not its parameters.
+runs any graph. By default the node's parameters are read by M nodes: placed on several
+devices they are replicated there and their gradients summed over 'model', as a tied
+embedding's are, so a batch split divides a node's compute and activations, not its parameters.
+With `params='split'` they are stored in M slices held by M more nodes and gathered by the
+pieces (`_store_split`).
 
 Loss and gradients equal the unsplit graph's (`tests/batch_split_test.py`).
 """
@@ -29,11 +31,13 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 from jax import lax
 
 from jaxhybrid.graph import batch_rules
+from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid.graph import shard_rules as rules_lib
-from jaxhybrid.graph.opgraph import Node, OpGraph, _edges, _wire
+from jaxhybrid.graph.opgraph import PARAM, Node, OpGraph, _edges, _wire
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +49,23 @@ class NodeSplit:
   node: str
   bounds: tuple[int, ...]
   piece_nodes: tuple[str, ...]
+  # With params='split': the node's parameter leaves stored in M slices (their paths), and the
+  # M nodes that each hold one slice of every such leaf and send it to the pieces.
+  split_params: tuple[str, ...] = ()
+  param_nodes: tuple[str, ...] = ()
 
   def to_json(self) -> dict[str, Any]:
-    return {"node": self.node, "bounds": list(self.bounds), "piece_nodes": list(self.piece_nodes)}
+    out = {"node": self.node, "bounds": list(self.bounds), "piece_nodes": list(self.piece_nodes)}
+    if self.split_params:
+      out |= {"split_params": list(self.split_params), "param_nodes": list(self.param_nodes)}
+    return out
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> NodeSplit:
     return cls(node=str(d["node"]), bounds=tuple(int(b) for b in d["bounds"]),
-               piece_nodes=tuple(str(n) for n in d["piece_nodes"]))
+               piece_nodes=tuple(str(n) for n in d["piece_nodes"]),
+               split_params=tuple(str(p) for p in d.get("split_params", ())),
+               param_nodes=tuple(str(n) for n in d.get("param_nodes", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +178,63 @@ def split_node(g: OpGraph, small: Any, devices: int, name: str,
     node=name, bounds=bounds, piece_nodes=tuple(p.name for p in pieces))
 
 
+_Slices = dict[Any, tuple[int, tuple[int, ...], list[Any]]]  # leaf var -> (axis, bounds, slices)
+
+
+def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
+                 ) -> tuple[list[Node], _Slices, NodeSplit]:
+  """Parameters stored in slices for one split node (`params='split'`): every parameter leaf
+  only this node reads, with a dimension of at least `devices`, is cut along its longest one into
+  M slices; node `<name>/params<j>` holds slice j of each and sends it on, and each piece (and
+  the post node, if it reads the leaf) concatenates the M slices before its equations. The
+  gradients of the slices flow back to their holders, where they are summed: an all-gather
+  before the node and a reduce-scatter after it, made of the program's messages. Returns the
+  holder nodes, the leaves split (var -> (axis, bounds, slice vars)) and the split's record."""
+  node = next(n for n in g.nodes if n.name == info.node)
+  var = lambda v: isinstance(v, jex.core.Var)
+  others = {v for n in g.nodes if n is not node for e in n.eqns for v in e.invars if var(v)}
+  others |= {v for v in g.jaxpr.outvars if var(v)}
+  params = [v for v, (k, _) in zip(g.jaxpr.invars, g.input_kinds) if k == PARAM]
+  leaves: _Slices = {}
+  paths = []
+  for v, path in zip(params, g.param_paths):
+    shape = v.aval.shape
+    fits = [a for a in range(len(shape)) if shape[a] >= devices]
+    if v not in node.invars or v in others or not fits:
+      continue
+    axis = max(fits, key=lambda a: (shape[a], -a))
+    bounds = rules_lib.split_bounds(shape[axis], devices)
+    pieces = [jex.core.Var(v.aval.update(shape=tuple(
+      hi - lo if a == axis else n for a, n in enumerate(shape))))
+      for lo, hi in zip(bounds[:-1], bounds[1:])]
+    leaves[v] = (axis, tuple(bounds), pieces)
+    paths.append(path)
+  if not leaves:
+    return [], {}, info
+  holders = [Node(id=0, name=f"{info.node}/params{j}", eqns=[]) for j in range(devices)]
+  held: dict[Any, list[Any]] = {}
+  for v, (axis, _, pieces) in leaves.items():
+    for j, pv in enumerate(pieces):
+      # (fresh outputs: make_jaxpr caches the trace of one function, variables included)
+      body, (h,) = _splice(jnp.copy, [pv], [rules_lib.fresh(pv)])
+      holders[j].eqns.extend(body)
+      held.setdefault(v, []).append(h)
+  for n in made:
+    read = [v for v in leaves if any(x is v for e in n.eqns for x in e.invars)]
+    if not read:
+      continue
+    front, sub = [], {}
+    for v in read:
+      body, (full,) = _splice(lambda *hs, a=leaves[v][0]: lax.concatenate(list(hs), a),
+                              held[v], [rules_lib.fresh(v)])
+      front.extend(body)
+      sub[v] = full
+    n.eqns = front + [e.replace(invars=[sub.get(x, x) if isinstance(x, jex.core.Var) else x
+                                        for x in e.invars]) for e in n.eqns]
+  return holders, leaves, dataclasses.replace(
+    info, split_params=tuple(paths), param_nodes=tuple(h.name for h in holders))
+
+
 def _micro_rows(g: OpGraph, axes: dict[Any, int | None]) -> int:
   """The micro-batch's rows: the leading dimension of the first batch input with examples."""
   from jaxhybrid.graph.opgraph import BATCH
@@ -175,9 +245,12 @@ def _micro_rows(g: OpGraph, axes: dict[Any, int | None]) -> int:
   return 0
 
 
+PARAMS = ("replicated", "split")
+
+
 def split_batch(
   g: OpGraph, small: Any, devices: int, nodes: Sequence[str] | None = None, *,
-  min_fraction: float = 0.0,
+  min_fraction: float = 0.0, params: str = "replicated",
 ) -> tuple[OpGraph, BatchSplitReport]:
   """Splits nodes of `g` by rows of the micro-batch into `devices` pieces (module docstring).
 
@@ -188,6 +261,11 @@ def split_batch(
     devices: the pieces per node (the model axis).
     nodes: the node names to split (each must qualify), or None: every node of at least
       `min_fraction` of the forward FLOPs that qualifies.
+    params: how a split node's parameter leaves are stored. 'replicated': read whole by every
+      piece (a copy on each device the pieces run on, the gradients summed over 'model');
+      'split': in M slices held by M nodes `<node>/params<j>` (`_store_split`), so a spread
+      node stores 1/M of its parameters, gradients and optimizer state per device and gathers
+      the rest for each micro-batch (FSDP inside the node).
 
   Returns:
     The rewritten graph and a report (a node not split and why, for `nodes=None`).
@@ -198,6 +276,8 @@ def split_batch(
   """
   if devices < 2:
     raise ValueError(f"a batch split needs >= 2 devices, got {devices}")
+  if params not in PARAMS:
+    raise ValueError(f"params={params!r}: use one of {list(PARAMS)}")
   if g.shards or g.batch_splits:
     raise ValueError("split the batch of the traced graph, before any other split")
   small = getattr(small, "closed_jaxpr", small)
@@ -217,6 +297,7 @@ def split_batch(
   wanted = (list(nodes) if nodes is not None else
             [n.name for n in g.nodes if n.flops >= min_fraction * total])
   splits, skipped = [], []
+  stored: _Slices = {}
   new_nodes: list[Node] = []
   for n in g.nodes:
     if n.name not in wanted:
@@ -231,18 +312,23 @@ def split_batch(
       new_nodes.append(Node(id=0, name=n.name, eqns=list(n.eqns)))
       continue
     made, info = got
+    if params == "split":
+      holders, leaves, info = _store_split(g, made, info, devices)
+      new_nodes.extend(holders)
+      stored.update(leaves)
     new_nodes.extend(made)
     splits.append(info)
   if not splits:
     return g, BatchSplitReport((), tuple(skipped))
   for i, n in enumerate(new_nodes):
     n.id = i
-  jaxpr = g.jaxpr
-  new_jaxpr = jaxpr.replace(eqns=[e for n in new_nodes for e in n.eqns])
-  jex.core.check_jaxpr(new_jaxpr)
-  closed = jex.core.ClosedJaxpr(new_jaxpr, list(g.closed_jaxpr.consts))
-  _wire(new_nodes, new_jaxpr, g.input_kinds)
+  invars, kinds, paths, split = shard_lib.replace_params(g, stored)
+  closed = shard_lib.loss_jaxpr(g, invars, g.jaxpr.outvars,
+                                [e for n in new_nodes for e in n.eqns], "batch-split")
+  _wire(new_nodes, closed.jaxpr, kinds)
   new = dataclasses.replace(g, nodes=new_nodes, edges=_edges(new_nodes), closed_jaxpr=closed,
+                            input_kinds=kinds, param_paths=paths,
+                            param_split=split if stored else g.param_split,
                             batch_splits=tuple(splits))
   return new, BatchSplitReport(tuple(splits), tuple(skipped))
 
@@ -269,9 +355,10 @@ def apply(g: OpGraph, small: Any, devices: int, splits: Sequence[NodeSplit | dic
   if not splits:
     return g
   splits = [s if isinstance(s, NodeSplit) else NodeSplit.from_json(s) for s in splits]
-  got, _ = split_batch(g, small, devices, [s.node for s in splits])
-  want = [(s.node, tuple(s.bounds)) for s in splits]
-  have = [(s.node, tuple(s.bounds)) for s in got.batch_splits]
+  params = "split" if any(s.split_params for s in splits) else "replicated"
+  got, _ = split_batch(g, small, devices, [s.node for s in splits], params=params)
+  want = [(s.node, tuple(s.bounds), tuple(s.split_params)) for s in splits]
+  have = [(s.node, tuple(s.bounds), tuple(s.split_params)) for s in got.batch_splits]
   if sorted(want) != sorted(have):
     raise ValueError(f"the plan splits the rows of {want} but this model splits {have} on "
                      f"{devices} devices: re-plan")

@@ -99,7 +99,7 @@ class ShardReport:
 
 
 def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str], path: str,
-                  user_leaf: int, want_axis: int | None = None) -> tuple[OpGraph, LeafShard] | str:
+                  want_axis: int | None = None) -> tuple[OpGraph, LeafShard] | str:
   """The graph with one leaf split, or the reason it cannot be. `want_axis`: a lookup-only leaf
   split along its rows (0) rather than its features (a plan made before the feature split)."""
   owners = [n for n in g.nodes if any(v is leaf_var for e in n.eqns for v in e.invars)]
@@ -229,51 +229,64 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
   for i, n in enumerate(new_nodes):
     n.id = i
 
-  jaxpr = g.jaxpr
-  invars, kinds_new = [], []
-  p = 0
-  for v, (k, idx) in zip(jaxpr.invars, g.input_kinds):
-    if v is leaf_var:
-      for pv in pieces:
-        invars.append(pv)
-        kinds_new.append((PARAM, p))
-        p += 1
-    elif k == PARAM:
-      invars.append(v)
-      kinds_new.append((PARAM, p))
-      p += 1
-    else:
-      invars.append(v)
-      kinds_new.append((k, idx))
-  outvars = [alias.get(v, v) if isinstance(v, jex.core.Var) else v for v in jaxpr.outvars]
-  all_eqns = [e for n in new_nodes for e in n.eqns]
-  debug = jex.core.DebugInfo(
-    "jaxhybrid sharded loss", "loss", tuple(f"in{i}" for i in range(len(invars))),
-    tuple(f"out{i}" for i in range(len(outvars))),
-  )
-  new_jaxpr = jex.core.Jaxpr(
-    constvars=list(jaxpr.constvars), invars=invars, outvars=outvars, eqns=all_eqns,
-    effects=jaxpr.effects, debug_info=debug,
-  )
-  jex.core.check_jaxpr(new_jaxpr)
-  closed = jex.core.ClosedJaxpr(new_jaxpr, list(g.closed_jaxpr.consts))
-  _wire(new_nodes, new_jaxpr, tuple(kinds_new))
-  # The graph's leaf pieces: which user leaf (and slice) each graph parameter leaf is.
-  old = list(g.param_split) if g.param_split else [
-    (i, -1, 0, 0) for i in range(len(g.param_avals))]
-  old_leaf = [i for i, (v, (k, _)) in enumerate(
-    (v, kk) for v, kk in zip(jaxpr.invars, g.input_kinds) if kk[0] == PARAM) if v is leaf_var]
-  j = old_leaf[0]
-  split = old[:j] + [(user_leaf, axis, bounds[d], bounds[d + 1]) for d in range(devices)] + old[j + 1:]
-  paths = list(g.param_paths)
-  paths = paths[:j] + [f"{path}[{bounds[d]}:{bounds[d + 1]}]" for d in range(devices)] + paths[j + 1:]
-  info = LeafShard(leaf=user_leaf, path=path, rule=rule_name, axis=axis, bounds=bounds,
-                   node=node.name, shard_nodes=tuple(f"{base}{d}" for d in range(devices)))
+  invars, kinds_new, paths, split = replace_params(g, {leaf_var: (axis, bounds, pieces)})
+  outvars = [alias.get(v, v) if isinstance(v, jex.core.Var) else v for v in g.jaxpr.outvars]
+  closed = loss_jaxpr(g, invars, outvars, [e for n in new_nodes for e in n.eqns], "sharded")
+  _wire(new_nodes, closed.jaxpr, tuple(kinds_new))
+  j = [v for v, (k, _) in zip(g.jaxpr.invars, g.input_kinds) if k == PARAM].index(leaf_var)
+  info = LeafShard(leaf=g.param_split[j][0] if g.param_split else j, path=path, rule=rule_name,
+                   axis=axis, bounds=bounds, node=node.name, shard_nodes=tuple(f"{base}{d}" for d in range(devices)))
   new = dataclasses.replace(
     g, nodes=new_nodes, edges=_edges(new_nodes), closed_jaxpr=closed, input_kinds=tuple(kinds_new),
-    param_paths=tuple(paths), param_split=tuple(split), shards=g.shards + (info,),
+    param_paths=paths, param_split=split, shards=g.shards + (info,),
   )
   return new, info
+
+
+def replace_params(g: OpGraph, splits: dict[Any, tuple[int, Sequence[int], Sequence[Any]]]
+                   ) -> tuple[list[Any], tuple, tuple[str, ...], tuple]:
+  """`g`'s loss inputs with each parameter leaf of `splits` (var -> (axis, bounds, piece vars))
+  replaced by its pieces: the invars, input kinds, parameter paths and `param_split`."""
+  old = list(g.param_split) if g.param_split else [
+    (i, -1, 0, 0) for i in range(len(g.param_avals))]
+  invars, kinds, paths, split = [], [], [], []
+  q = 0  # the leaf's index among g's parameter leaves
+  for v, (k, idx) in zip(g.jaxpr.invars, g.input_kinds):
+    if k != PARAM:
+      invars.append(v)
+      kinds.append((k, idx))
+      continue
+    if v in splits:
+      axis, bounds, pieces = splits[v]
+      if old[q][1] >= 0:
+        raise ValueError(f"parameter {g.param_paths[q]} is already a piece of a split leaf")
+      for d, pv in enumerate(pieces):
+        invars.append(pv)
+        kinds.append((PARAM, len(split)))
+        split.append((old[q][0], axis, bounds[d], bounds[d + 1]))
+        paths.append(f"{g.param_paths[q]}[{bounds[d]}:{bounds[d + 1]}]")
+    else:
+      invars.append(v)
+      kinds.append((PARAM, len(split)))
+      split.append(old[q])
+      paths.append(g.param_paths[q])
+    q += 1
+  return invars, tuple(kinds), tuple(paths), tuple(split)
+
+
+def loss_jaxpr(g: OpGraph, invars: Sequence[Any], outvars: Sequence[Any], eqns: Sequence[Any],
+               what: str) -> Any:
+  """The rewritten loss: `g`'s constants with new inputs, outputs and equations (checked)."""
+  debug = jex.core.DebugInfo(
+    f"jaxhybrid {what} loss", "loss", tuple(f"in{i}" for i in range(len(invars))),
+    tuple(f"out{i}" for i in range(len(outvars))),
+  )
+  jaxpr = jex.core.Jaxpr(
+    constvars=list(g.jaxpr.constvars), invars=list(invars), outvars=list(outvars),
+    eqns=list(eqns), effects=g.jaxpr.effects, debug_info=debug,
+  )
+  jex.core.check_jaxpr(jaxpr)
+  return jex.core.ClosedJaxpr(jaxpr, list(g.closed_jaxpr.consts))
 
 
 def shard_leaves(
@@ -325,7 +338,7 @@ def shard_leaves(
     want = None
     if axes is not None and leaves is not None:
       want = int(axes[list(leaves).index(path)])
-    got = _rewrite_leaf(g, v, devices, rules, path, i, want)
+    got = _rewrite_leaf(g, v, devices, rules, path, want)
     if isinstance(got, str):
       if leaves is not None:
         raise ValueError(f"cannot shard parameter {path}: {got}")

@@ -92,6 +92,9 @@ class RunConfig:
   # forward FLOPs may run as one piece per model device on their rows of the micro-batch
   # (jaxhybrid.graph.batch_split). Off by default: not yet measured on the pinned benchmark.
   batch_split: bool = False
+  # How a batch-split node's parameters are stored (PlannerOptions.batch_split_params):
+  # 'replicated' or 'split' (one slice per model device, gathered per micro-batch).
+  batch_split_params: str = "replicated"
   # The planner's memory cap per device, GiB; None = the hardware profile's device memory.
   memory_cap_gib: float | None = None
   # Plan, compile from abstract inputs and report per-device memory; allocate and train nothing.
@@ -333,6 +336,7 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
                          **({"progress": progress} if shown else {}),
                          **({"shard_rules": (("lookup", "column") if config.shard else ())
                              + (("batch",) if config.batch_split else ())}),
+                         "batch_split_params": config.batch_split_params,
                          **({"memory_caps_bytes": int(config.memory_cap_gib * 2**30)}
                             if config.memory_cap_gib else {}),
                          **({"memory_caps_bytes": None} if uncapped else {})}, plan=plan,

@@ -185,6 +185,12 @@ class PlannerOptions:
   # forward FLOPs (each split adds M nodes to the problem; smaller nodes gain less than the
   # split's own slices, concatenation and messages cost).
   batch_split_min_fraction: float = 0.05
+  # How a batch-split node's parameters are stored (`batch_split.split_batch`'s `params`):
+  # 'replicated' (read whole by every piece, a copy on each device the pieces run on; no
+  # parameter traffic in the step) or 'split' (M slices, one holder node per slice that the
+  # planner places like any node: spread, each device stores 1/M of them and the pieces gather
+  # the rest every micro-batch, FSDP inside the node).
+  batch_split_params: str = "replicated"
   # Assumption: only leaves of at least this fraction of the parameter bytes are offered
   # (`shard.SHARD_MIN_FRACTION`; each adds M + 1 nodes to the problem).
   shard_min_fraction: float = 0.1
@@ -230,6 +236,9 @@ class PlannerOptions:
     if bad_rules:
       raise ValueError(f"shard_rules={self.shard_rules!r}: use some of lookup, column, batch (or "
                        "() to keep every leaf and node whole).")
+    if self.batch_split_params not in ("replicated", "split"):
+      raise ValueError(f"batch_split_params={self.batch_split_params!r}: use 'replicated' or "
+                       "'split'.")
     if not 0.0 <= self.batch_split_min_fraction <= 1.0:
       raise ValueError(f"batch_split_min_fraction={self.batch_split_min_fraction!r}: use a "
                        "fraction in [0, 1].")

@@ -29,8 +29,11 @@ from jaxhybrid.planner.core.task_schedule import TaskSchedule
 # load with their `predicted_*` figures moved to the `fused_*` fields.
 # 5: adds `batch_splits` (nodes split by rows of the micro-batch, one piece per model device;
 # `jaxhybrid.graph.batch_split`). Older plans load with no node split.
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: a batch split's entry may carry `split_params` and `param_nodes` (the node's parameters
+# stored in M slices held by M nodes; `split_batch(params='split')`), which version-5 readers
+# would drop. Older plans load with every split node's parameters replicated.
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -269,6 +272,10 @@ class Plan:
       devs = [int(where[n]) for n in s.get("piece_nodes", ()) if n in where]
       how = (f"all rows on device {devs[0]}" if len(set(devs)) == 1 else
              f"rows over {len(set(devs))} devices (pieces on {devs})")
+      held = [int(where[n]) for n in s.get("param_nodes", ()) if n in where]
+      if held:
+        how += (f", {len(s['split_params'])} parameter leaves in {len(held)} slices on devices "
+                f"{held}")
       out.append(f"  node {s['node']}: batch split, {how}")
     return out
 
