@@ -352,9 +352,14 @@ def parallelize(
       g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
       min_fraction=popts.shard_min_fraction)
     pieces = {name for x in g.batch_splits for name in x.piece_nodes}
-    by_pieces = {g.param_paths[j] for n in g.nodes if n.name in pieces for j in n.param_leaves}
-    skipped = tuple((path, "read whole by the row pieces of its node (batch split)")
-                    if path in by_pieces else (path, why) for path, why in report.skipped)
+    holders = {name for x in g.batch_splits for name in x.param_nodes}
+    read_by = lambda names: {
+      g.param_paths[j] for n in g.nodes if n.name in names for j in n.param_leaves}
+    why_not = {path: "read whole by the row pieces of its node (batch split)"
+               for path in read_by(pieces)}
+    why_not |= {path: "a slice of a leaf its node's batch split stores split"
+                for path in read_by(holders)}
+    skipped = tuple((path, why_not.get(path, why)) for path, why in report.skipped)
   c = costs if costs is not None else default_costs(hardware)
   state_factor = optimizer_state_factor(optimizer, g_traced)
   prog_opts = dict(program_options or {})

@@ -34,8 +34,13 @@ def _traced(pure, p, s, batch, devices, micro=None):
 
 
 def _assert_same_loss_and_grads(g, g2, leaves, s, batch, rtol=1e-5):
+  """Loss and gradients of the user's leaves equal through `g` and `g2` (whose leaves may be
+  cut into slices: `shard.split_leaves`)."""
+  from jaxhybrid.graph import shard
+
   l_want, want = jax.jit(jax.value_and_grad(lambda pl: _run(g, pl, s, batch)))(leaves)
-  l_got, got = jax.jit(jax.value_and_grad(lambda pl: _run(g2, pl, s, batch)))(leaves)
+  l_got, got = jax.jit(jax.value_and_grad(
+    lambda pl: _run(g2, shard.split_leaves(g2, pl), s, batch)))(leaves)
   np.testing.assert_allclose(l_got, l_want, rtol=rtol)
   scale = max(float(jnp.max(jnp.abs(x))) for x in want)
   assert scale > 1e-3  # gradients that are all zero would agree trivially
@@ -179,8 +184,11 @@ def test_bad_requests_are_one_line_errors():
     batch_split.split_batch(gm, sm, 2, [name])
 
 
-@pytest.mark.parametrize("name", ["biglstm", "gnmt", "inception_v3"])
-def test_tiny_paper_models_split_by_rows_keep_loss_and_gradients(name):
+@pytest.mark.parametrize("name,params", [
+  ("biglstm", "replicated"), ("gnmt", "replicated"), ("inception_v3", "replicated"),
+  ("inception_v3", "split"),
+])
+def test_tiny_paper_models_split_by_rows_keep_loss_and_gradients(name, params):
   # Inception-V3's BatchNorm with epsilon 1 (as program_models_test: the default's curvature
   # makes float32 rounding, not the split, the difference)
   spec = models.get(name, "tiny", **({"bn_epsilon": 1.0} if name == "inception_v3" else {}))
@@ -188,9 +196,11 @@ def test_tiny_paper_models_split_by_rows_keep_loss_and_gradients(name):
   batch = spec.synthetic_batch(0, 4)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, spec.loss_fn, with_state=True)
   g, small, _ = _traced(pure, p, s, batch, 2)
-  g2, report = batch_split.split_batch(g, small, 2)
+  g2, report = batch_split.split_batch(g, small, 2, params=params)
   # Every node with row-wise work splits (BatchNorm and the mean loss run in post nodes).
   assert len(report.splits) >= len(g.nodes) // 2, report.skipped
+  stored = sum(len(x.split_params) for x in report.splits)
+  assert stored > 0 if params == "split" else stored == 0
   _assert_same_loss_and_grads(g, g2, jax.tree.leaves(p), s, batch)
 
 
@@ -263,14 +273,19 @@ def test_a_plan_with_nodes_split_by_rows_round_trips_and_trains_exactly():
     batch_split.apply(g, small, 2, [dict(report.splits[0].to_json(), bounds=[0, 3, 8])])
   hy = api.parallelize(model, toy.lstm_loss, opt, batch, mesh="1x2", microbatches=2, plan=loaded)
   assert [n.name for n in hy.graph.nodes] == [n.name for n in g2.nodes]
+  _assert_trains_as_reference(hy, pure, p, s, batch, opt)
+
+
+def _assert_trains_as_reference(hy, pure, p, s, batch, opt, steps=3):
+  """`hy` trained `steps` steps: losses and parameters equal the single-device reference's."""
   state = hy.init()
   losses = []
-  for _ in range(3):
+  for _ in range(steps):
     state, metrics = hy.step(state, batch)
     losses.append(float(metrics["loss"]))
   ref = jax.jit(jax.value_and_grad(lambda p_, b_: pure(p_, s, b_)[0]))
   params, o = p, opt.init(p)
-  for i in range(3):
+  for i in range(steps):
     loss, grads = ref(params, batch)
     np.testing.assert_allclose(losses[i], loss, rtol=1e-5)
     u, o = opt.update(grads, o, params)
@@ -304,12 +319,7 @@ def test_parameters_stored_in_slices_keep_loss_and_gradients(devices):
   # The slices tile each user leaf: cutting and joining gives the leaves back.
   back = shard.join_leaves(g2, shard.split_leaves(g2, leaves))
   assert all(np.array_equal(a, b) for a, b in zip(back, leaves))
-  l_want, want = jax.value_and_grad(lambda pl: _run(g, pl, s, batch))(leaves)
-  l_got, got = jax.value_and_grad(
-    lambda pl: _run(g2, shard.split_leaves(g2, pl), s, batch))(leaves)
-  np.testing.assert_allclose(l_got, l_want, rtol=1e-5)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  _assert_same_loss_and_grads(g, g2, leaves, s, batch)
   # A node whose parameters another node also reads keeps them replicated: here none is shared,
   # so every parameter of the split nodes is stored in slices.
   assert sum(len(x.split_params) for x in report.splits) == sum(
@@ -322,7 +332,7 @@ def test_a_split_with_parameters_in_slices_round_trips_through_the_plan():
   from jaxhybrid import planner as planner_lib
 
   model, batch = toy.LSTMNet(rngs=nnx.Rngs(3)), toy.lstm_batch(8, seed=4)
-  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss)
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss, with_state=True)
   g, small, _ = _traced(pure, p, s, batch, 2)
   g2, report = batch_split.split_batch(g, small, 2, ["l1"], params="split")
   saved = [batch_split.NodeSplit.from_json(x.to_json()) for x in report.splits]
@@ -336,7 +346,7 @@ def test_a_split_with_parameters_in_slices_round_trips_through_the_plan():
 
   plan = planner_lib.place(g2, api.default_costs("cpu"), devices=2, microbatches=1,
                            **LIGHT_DETERMINISTIC_PLANNER)
-  plan = dataclasses.replace(plan, assignment=tuple(_pieces_spread(g2, 2)),
+  plan = dataclasses.replace(plan, assignment=tuple(_pieces_spread(g2, 2)), task_schedule="1f1b",
                              batch_splits=tuple(x.to_json() for x in report.splits))
   loaded = planner_lib.Plan.from_json(plan.to_json())
   assert loaded.batch_splits == plan.batch_splits
@@ -345,6 +355,11 @@ def test_a_split_with_parameters_in_slices_round_trips_through_the_plan():
   with pytest.raises(ValueError, match="re-plan"):
     batch_split.apply(g, small, 2, [dataclasses.replace(report.splits[0], split_params=(
       report.splits[0].split_params[0],))])
+  # `parallelize(plan=...)` cuts the user's leaves into the slices and trains exactly.
+  opt = optax.adam(1e-2)
+  hy = api.parallelize(model, toy.lstm_loss, opt, batch, mesh="1x2", microbatches=1, plan=loaded)
+  assert hy.graph.param_paths == g2.param_paths
+  _assert_trains_as_reference(hy, pure, p, s, batch, opt, steps=2)
 
 
 def test_planner_options_take_the_batch_rule():
