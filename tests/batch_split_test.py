@@ -157,6 +157,29 @@ def test_a_constant_that_depends_on_the_batch_size_is_left_to_the_post_node():
   np.testing.assert_allclose(g2_, g_, rtol=1e-6)
 
 
+def test_an_input_only_the_post_node_reads_is_not_sent_to_the_pieces():
+  # z is added after the mean over the examples: only the post node reads it.
+  def loss(p, s, b):
+    del s
+    h = jnp.tanh(b["x"] @ p["w"])
+    return jnp.mean((h - jnp.mean(h, axis=0) + b["z"]) ** 2)
+
+  r = np.random.default_rng(0)
+  p = {"w": jnp.asarray(r.normal(size=(3, 4)), jnp.float32)}
+  b = {"x": jnp.asarray(r.normal(size=(8, 3)), jnp.float32),
+       "z": jnp.asarray(r.normal(size=(8, 4)), jnp.float32)}
+  g = graph_lib.trace_function(loss, p, {}, b, max_nodes=1)
+  small = batch_split.trace_small(loss, p, {}, b, [True, True], 2)
+  g2, report = batch_split.split_batch(g, small, 2)
+  (split,) = report.splits
+  z = next(v for v, (kind, _) in zip(g.jaxpr.invars, g.input_kinds) if kind == graph_lib.BATCH
+           and v.aval.shape == (8, 4))
+  pieces = [n for n in g2.nodes if n.name in split.piece_nodes]
+  assert pieces and not any(z in n.invars for n in pieces)
+  assert z in next(n for n in g2.nodes if n.name == split.node).invars
+  _assert_same_loss_and_grads(g, g2, [p["w"]], {}, b)
+
+
 def test_bad_requests_are_one_line_errors():
   model, batch = toy.LSTMNet(rngs=nnx.Rngs(0)), toy.lstm_batch(6)
   _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.lstm_loss)

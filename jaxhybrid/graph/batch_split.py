@@ -138,12 +138,17 @@ def split_node(g: OpGraph, small: Any, devices: int, name: str,
   small_eqns = [small.jaxpr.eqns[index[id(e)]] for e in node.eqns if id(e) in keep]
   piece_eqns: list[list[Any]] = []
   partials: dict[Any, list[Any]] = {v: [] for v in sent}
+  # The node's inputs the pieces' own equations read: one only the post node reads is not
+  # sliced (nor sent to the pieces' devices).
+  used = {v for es in small_eqns for v in es.invars if var(v)}
   for d in range(devices):
     sub: dict[Any, Any] = {}
     eqns: list[Any] = []
     for v in node.invars:
       a = axes.get(v)
       vs = pair[v]
+      if vs not in used:
+        continue
       if a is None:
         sub[vs] = v
         continue
