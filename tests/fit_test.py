@@ -132,3 +132,36 @@ def test_a_prediction_just_above_the_cap_is_settled_by_the_compiled_figure():
                                 compiled=lambda p: 104 * MiB)
   assert prog == "prog2" and checks[0].compiled and checks[0].program_bytes == 104 * MiB
   assert min(seen[0]) == pytest.approx(100 * MiB - 4 * MiB * fit.FIT_MARGIN)
+
+
+@pytest.mark.parametrize("cap_bytes,fits", [(2**30, True), (2**10, False)])
+def test_when_the_capped_search_finds_nothing_an_uncapped_plan_that_compiles_within_the_cap_is_used(
+    monkeypatch, cap_bytes, fits):
+  import optax
+  import toy
+  from conftest import LIGHT_DETERMINISTIC_PLANNER
+  from flax import nnx
+
+  from jaxhybrid import api
+  from jaxhybrid import planner as planner_lib
+
+  real = planner_lib.place
+
+  def place(g, costs, **kw):  # a search that finds nothing under any cap
+    if kw.get("memory_caps_bytes") is not None:
+      raise InfeasibleError("no placement fits the memory caps (the test's search)")
+    return real(g, costs, **kw)
+
+  monkeypatch.setattr(planner_lib, "place", place)
+  run = lambda: api.parallelize(
+    toy.Towers(rngs=nnx.Rngs(0)), toy.mse_nnx, optax.sgd(0.1), toy.regression_batch(8),
+    mesh="1x2", microbatches=1, hardware="cpu",
+    planner_options={**LIGHT_DETERMINISTIC_PLANNER, "shard_rules": (),
+                     "memory_caps_bytes": cap_bytes})
+  if not fits:  # the uncapped plan's program does not fit either: the planner's own error
+    with pytest.raises(InfeasibleError, match="the test's search"):
+      run()
+    return
+  hy = run()
+  assert hy.plan.memory_caps_bytes == (cap_bytes, cap_bytes)
+  assert fit.compiled_bytes(hy.program) <= cap_bytes

@@ -255,7 +255,7 @@ PARAMS = ("replicated", "split")
 
 def split_batch(
   g: OpGraph, small: Any, devices: int, nodes: Sequence[str] | None = None, *,
-  min_fraction: float = 0.0, params: str = "replicated",
+  min_fraction: float = 0.0, params: str = "replicated", skip: dict[str, str] | None = None,
 ) -> tuple[OpGraph, BatchSplitReport]:
   """Splits nodes of `g` by rows of the micro-batch into `devices` pieces (module docstring).
 
@@ -271,6 +271,8 @@ def split_batch(
       'split': in M slices held by M nodes `<node>/params<j>` (`_store_split`), so a spread
       node stores 1/M of its parameters, gradients and optimizer state per device and gathers
       the rest for each micro-batch (FSDP inside the node).
+    skip: with `nodes=None`, nodes left whole whatever their FLOPs: name -> the reason the
+      report gives.
 
   Returns:
     The rewritten graph and a report (a node not split and why, for `nodes=None`).
@@ -308,7 +310,8 @@ def split_batch(
     if n.name not in wanted:
       new_nodes.append(Node(id=0, name=n.name, eqns=list(n.eqns)))
       continue
-    got = why_all or split_node(g, small, devices, n.name, axes)
+    got = (skip or {}).get(n.name) if nodes is None else None
+    got = got or why_all or split_node(g, small, devices, n.name, axes)
     if isinstance(got, str):
       if nodes is not None:
         raise ValueError(f"cannot split the batch of node {n.name}: {got}")
