@@ -165,3 +165,20 @@ def test_when_the_capped_search_finds_nothing_an_uncapped_plan_that_compiles_wit
   hy = run()
   assert hy.plan.memory_caps_bytes == (cap_bytes, cap_bytes)
   assert fit.compiled_bytes(hy.program) <= cap_bytes
+
+
+def test_the_dry_run_table_says_when_its_plan_was_made_without_the_cap():
+  import types
+
+  from jaxhybrid.train import dry_run
+
+  GiB = 2**30
+  report = types.SimpleNamespace(compiled=int(4.2 * GiB), predicted=int(4.4 * GiB))
+  table = dry_run._plan_memory  # noqa: SLF001
+  kept = types.SimpleNamespace(device_peak_bytes=(5.0 * GiB,) * 2,
+                               memory_caps_bytes=(4.5 * GiB,) * 2)
+  lines = table(kept, report)["lines"]
+  assert "found no plan under the cap" in lines[0] and len(lines) == 4
+  within = types.SimpleNamespace(device_peak_bytes=(4.0 * GiB,) * 2,
+                                 memory_caps_bytes=(4.5 * GiB,) * 2)
+  assert not any("found no plan" in x for x in table(within, report)["lines"])

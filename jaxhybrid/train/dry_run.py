@@ -152,6 +152,10 @@ def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:
                  "needed " + ", ".join(f"{r.program_bytes / gib:.2f}"
                                       + (" (compiled)" if r.compiled else "") for r in refits[:-1])
                  + f" GiB per device over the {refits[0].cap / gib:.2f} GiB cap")
+  caps = list(getattr(plan, "memory_caps_bytes", ()) or ())
+  if compiled and caps and any(b > c for b, c in zip(peaks, caps)) and compiled <= min(caps):
+    lines.insert(0, "the planner's search found no plan under the cap; this plan, made without "
+                 "it, is kept because its program compiles within the cap")
   for d, b in enumerate(peaks):
     cap = plan.memory_caps_bytes[d] if d < len(plan.memory_caps_bytes) else None
     row = f"  device {d}: planner {b / gib:7.3f} GiB"
