@@ -188,13 +188,14 @@ _Slices = dict[Any, tuple[int, tuple[int, ...], list[Any]]]  # leaf var -> (axis
 
 def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
                  ) -> tuple[list[Node], _Slices, NodeSplit]:
-  """Parameters stored in slices for one split node (`params='split'`): every parameter leaf
-  only this node reads, with a dimension of at least `devices`, is cut along its longest one into
-  M slices; node `<name>/params<j>` holds slice j of each and sends it on, and each piece (and
-  the post node, if it reads the leaf) concatenates the M slices before its equations. The
-  gradients of the slices flow back to their holders, where they are summed: an all-gather
-  before the node and a reduce-scatter after it, made of the program's messages. Returns the
-  holder nodes, the leaves split (var -> (axis, bounds, slice vars)) and the split's record."""
+  """Parameters stored in slices for one split node (`params='split'`): every floating-point
+  parameter leaf only this node reads, with a dimension of at least `devices`, is cut along its
+  longest one into M slices; node `<name>/params<j>` holds slice j of each and sends it on, and
+  each piece (and the post node, if it reads the leaf) concatenates the M slices before its
+  equations. The gradients of the slices flow back to their holders, where they are summed: an
+  all-gather before the node and a reduce-scatter after it, made of the program's messages.
+  Returns the holder nodes, the leaves split (var -> (axis, bounds, slice vars)) and the split's
+  record."""
   node = next(n for n in g.nodes if n.name == info.node)
   var = lambda v: isinstance(v, jex.core.Var)
   others = {v for n in g.nodes if n is not node for e in n.eqns for v in e.invars if var(v)}
@@ -205,7 +206,8 @@ def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
   for v, path in zip(params, g.param_paths):
     shape = v.aval.shape
     fits = [a for a in range(len(shape)) if shape[a] >= devices]
-    if v not in node.invars or v in others or not fits:
+    floating = jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+    if v not in node.invars or v in others or not fits or not floating:
       continue
     axis = max(fits, key=lambda a: (shape[a], -a))
     bounds = rules_lib.split_bounds(shape[axis], devices)
