@@ -49,9 +49,11 @@ _ZERO_ROWS = flags.DEFINE_list(
 _PLANNED_ROWS = flags.DEFINE_list(
   "planned_rows", ["biglstm:paper:4", "biglstm:paper:8", "biglstm:paper:8:7", "gnmt:small:4",
                    "gnmt:small:8", "inception_v3:small:4", "inception_v3:small:8"],
-  "<registry name>:<size>:<M>[:<cap GiB>]: the plan `parallelize` makes by default (shard "
-  "options on, the hardware's memory cap or the given one, DGX-1 V100 costs), 1F1B with k = M, "
-  "compiled on 1 x M; rows '<name>:<size>@planner' ('..._cap<C>GiB' with a cap), summary keys "
+  "<registry name>:<size>:<M>[:<cap GiB>][:batch][:k<N>]: the plan `parallelize` makes by default "
+  "(shard options on, the hardware's memory cap or the given one, DGX-1 V100 costs), 1F1B with "
+  "k = M (or N), compiled on 1 x M; ':batch' also offers the batch split with sliced parameters (run.py "
+  "--batch_split --batch_split_params=split); rows '<name>:<size>@planner' ('..._cap<C>GiB' "
+  "with a cap, '..._batch_split' with ':batch'), summary keys "
   "'<row model>_1x<M>_over_fsdp' (FSDP from the same model's registry row at that M, when "
   "present) and 'planner_device_error_max' (the planner's per-device figure against the "
   "compiled bytes, every device of every planned row).")
@@ -168,17 +170,23 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
   from jaxhybrid import mesh as mesh_lib
 
   for entry in _PLANNED_ROWS.value:
-    name, size, m, *cap = entry.split(":")
+    name, size, m, *rest = entry.split(":")
     m = int(m)
-    label = f"{name}:{size}@planner" + (f"_cap{cap[0]}GiB" if cap else "")
-    opts = {"memory_caps_bytes": int(float(cap[0]) * GiB)} if cap else None
+    batch_split = "batch" in rest
+    k = next((int(x[1:]) for x in rest if x[:1] == "k" and x[1:].isdigit()), m)
+    cap = [x for x in rest if x != "batch" and not (x[:1] == "k" and x[1:].isdigit())]
+    label = (f"{name}:{size}@planner" + (f"_cap{cap[0]}GiB" if cap else "")
+             + ("_batch_split" if batch_split else ""))
+    opts = {"memory_caps_bytes": int(float(cap[0]) * GiB)} if cap else {}
+    if batch_split:  # run.py --batch_split --batch_split_params=split
+      opts |= {"shard_rules": ("lookup", "column", "batch"), "batch_split_params": "split"}
     model, loss, batch, opt, _ = _registry_setup(name, size)
     t0 = time.perf_counter()
     try:
       hy = api.parallelize(
         model, loss, opt, batch, mesh=mesh_lib.make(mesh_lib.MeshShape(1, m), jax.devices()[:m]),
-        microbatches=m, hardware="dgx1-v100", program_options={"schedule": "1f1b"},
-        planner_options=opts)
+        microbatches=k, hardware="dgx1-v100", program_options={"schedule": "1f1b"},
+        planner_options=opts or None)
       r = hy.program.memory()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
       skipped.append(f"{entry} planned: {type(e).__name__}: {str(e)[:200]}")
@@ -188,14 +196,15 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
     # The planner's own figure per device against the compiled one (the same on every device).
     peaks = [float(x) for x in hy.plan.device_peak_bytes]
     planner_err = [p / r.compiled - 1 for p in peaks]
-    rows.append({"model": label, "M": m, "k": m, "schedule": "1f1b",
+    rows.append({"model": label, "M": m, "k": k, "schedule": "1f1b",
                  "cap_bytes": int(min(hy.plan.memory_caps_bytes or (0,))),
                  "nodes": len(hy.graph.nodes), "plan_method": hy.plan.method,
-                 "split_leaves": len(spread), "spread_leaves": sum(spread), **r.to_dict(),
+                 "split_leaves": len(spread), "spread_leaves": sum(spread),
+                 "batch_split_nodes": len(hy.graph.batch_splits), **r.to_dict(),
                  "planner_device_peak": peaks, "planner_device_error": planner_err,
                  "predicted_step_s": hy.plan.predicted_step_s,
                  "seconds": time.perf_counter() - t0})
-    print(f"{label:<30} 1x{m} k={m} compiled {r.compiled / GiB:8.3f} GiB "
+    print(f"{label:<30} 1x{m} k={k} compiled {r.compiled / GiB:8.3f} GiB "
           f"predicted {r.predicted / GiB:8.3f} err {r.error:+6.1%}; planner per device "
           f"{min(planner_err):+6.1%}..{max(planner_err):+6.1%}; leaves split {len(spread)}, "
           f"spread {sum(spread)}; predicted step {hy.plan.predicted_step_s * 1e3:.1f} ms", flush=True)
@@ -336,11 +345,12 @@ def main(argv):
 
   rows = []
   out_path = _OUT.value
-  global _KEPT, _PROGRAM
+  global _KEPT, _KEPT_SKIPPED, _PROGRAM
   _PROGRAM = provenance.program_commit()
   if _UPDATE.value and os.path.exists(out_path):
     with open(out_path) as f:
-      _KEPT = json.load(f)["rows"]
+      old = json.load(f)
+    _KEPT, _KEPT_SKIPPED = old["rows"], old.get("skipped", [])
   os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
   skipped = []
   for entry in _MODELS.value:
@@ -410,8 +420,9 @@ def main(argv):
   print(json.dumps(_summary(_write(out_path, rows, skipped, structure.SLOT_MIN_BYTES)), indent=1))
 
 
-# Rows of an earlier run kept by --update, and the commit this run measures.
+# Rows (and skipped cases) of an earlier run kept by --update, and the commit this run measures.
 _KEPT: list[dict] = []
+_KEPT_SKIPPED: list[str] = []
 _PROGRAM = None
 
 
@@ -426,6 +437,7 @@ def _write(path, rows, skipped, slot_min_bytes):
     r.setdefault("program", _PROGRAM)
   new = {_row_key(r) for r in rows}
   rows = [r for r in _KEPT if _row_key(r) not in new] + rows
+  skipped = [x for x in _KEPT_SKIPPED if x not in skipped] + list(skipped)
   with open(path, "w") as f:
     json.dump({"rows": rows, "skipped": skipped, "summary": _summary(rows),
                "slot_min_bytes": slot_min_bytes}, f, indent=1)

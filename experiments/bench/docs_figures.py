@@ -149,6 +149,9 @@ def headline() -> str:
                     ("biglstm:paper@planner_1x8_over_fsdp",
                      "paper BigLSTM 1x8, the plan `parallelize` makes under the 16 GiB cap, "
                      "memory over FSDP's"),
+                    ("biglstm:paper@planner_cap5GiB_batch_split_1x8_over_fsdp",
+                     "paper BigLSTM 1x8 under a 5 GiB cap with `--batch_split "
+                     "--batch_split_params=split` (2 micro-batches), memory over FSDP's"),
                     ("chain_1x4_1f1b_temp_k16_over_k4_fixed_microbatch",
                      "1F1B temp k=16 over k=4 at a fixed micro-batch (chain 1x4)"),
                     ("biglstm:paper_16x2_zero1_over_zero0",
