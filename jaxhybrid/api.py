@@ -184,7 +184,7 @@ def _leaf_rule_nodes(g: graph_lib.OpGraph, devices: int, popts: Any) -> dict[str
   leaf whole (a copy per device, or gathered per micro-batch), where the leaf split divides it
   (paper BigLSTM's vocabulary tables, 3.2 GB each: with both splits offered and the tables' nodes
   split by rows, a 1x8 plan under a 4 GiB cap compiled to 12.1 GiB per device; leaving those
-  nodes to the leaf rules, 5.6 GiB)."""
+  nodes to the leaf rules, 4.97 GiB)."""
   rules = tuple(r for r in popts.shard_rules if r != "batch")
   if not rules:
     return {}
@@ -212,8 +212,8 @@ def _uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Any, b
   if need > min(caps):
     raise error
   log.warning("no plan under the memory cap in the planner's search; the plan made without it "
-           "compiles to %.2f GiB per device, within the %.2f GiB cap", need / 2**30,
-           min(caps) / 2**30)
+              "compiles to %.2f GiB per device, within the %.2f GiB cap", need / 2**30,
+              min(caps) / 2**30)
   plan_ = dataclasses.replace(plan_, memory_caps_bytes=tuple(caps))
   return g_, plan_, check_, prog_
 

@@ -206,7 +206,7 @@ def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
   for v, path in zip(params, g.param_paths):
     shape = v.aval.shape
     fits = [a for a in range(len(shape)) if shape[a] >= devices]
-    floating = jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+    floating = jnp.issubdtype(v.aval.dtype, jnp.inexact)
     if v not in node.invars or v in others or not fits or not floating:
       continue
     axis = max(fits, key=lambda a: (shape[a], -a))
