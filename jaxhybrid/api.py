@@ -178,46 +178,6 @@ def broadcast_text(text: str) -> str:
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
 
 
-def _leaf_rule_nodes(g: graph_lib.OpGraph, devices: int, popts: Any) -> dict[str, str]:
-  """Nodes a batch split leaves whole because the leaf rules split one of their parameter
-  leaves (`shard.shard_leaves` on the traced graph): split by rows, every piece would read that
-  leaf whole (a copy per device, or gathered per micro-batch), where the leaf split divides it
-  (paper BigLSTM's vocabulary tables, 3.2 GB each: with both splits offered and the tables' nodes
-  split by rows, a 1x8 plan under a 4 GiB cap compiled to 12.1 GiB per device; leaving those
-  nodes to the leaf rules, 4.97 GiB)."""
-  rules = tuple(r for r in popts.shard_rules if r != "batch")
-  if not rules:
-    return {}
-  _, report = shard_lib.shard_leaves(g, devices, rules=rules, min_fraction=popts.shard_min_fraction)
-  return {x.node: f"the leaf rules split its parameter {x.path} (batch pieces would read it whole)"
-          for x in report.shards}
-
-
-def _uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Any, build: Any,
-                         costs: Any, devices: int) -> tuple[Any, Any, Any, Any]:
-  """When the planner finds no plan under the memory caps: the plan made without caps, if its
-  program compiles within them (the planner's search under a cap can miss a plan its own model
-  would accept: paper BigLSTM 1x8 with batch and leaf splits under 5 GiB, 'the closest is 6.6
-  GB short', while the uncapped plan compiled to 4.97 GiB); otherwise the planner's error."""
-  from jaxhybrid.planner.core import options as options_lib
-
-  caps = options_lib.PlannerOptions(
-    devices=devices, memory_caps_bytes=opts.get("memory_caps_bytes", options_lib.DEVICE_MEMORY),
-  ).caps(int(getattr(getattr(costs, "hardware", None), "memory_bytes", 0) or 0))
-  if not caps:
-    raise error
-  g_, plan_, check_ = planned({**opts, "memory_caps_bytes": None})
-  plan_, prog_ = build(g_, plan_)
-  need = fit_lib.compiled_bytes(prog_)
-  if need > min(caps):
-    raise error
-  log.warning("no plan under the memory cap in the planner's search; the plan made without it "
-              "compiles to %.2f GiB per device, within the %.2f GiB cap", need / 2**30,
-              min(caps) / 2**30)
-  plan_ = dataclasses.replace(plan_, memory_caps_bytes=tuple(caps))
-  return g_, plan_, check_, prog_
-
-
 def parallelize(
   model: Any,
   loss_fn: Callable[..., jax.Array],
@@ -388,7 +348,8 @@ def parallelize(
         g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
                                      min_fraction=popts.batch_split_min_fraction,
                                      params=popts.batch_split_params,
-                                     skip=_leaf_rule_nodes(g, model_ax, popts))
+                                     skip=batch_lib.leaf_rule_nodes(
+                                       g, model_ax, popts.shard_rules, popts.shard_min_fraction))
     g, report = shard_lib.shard_leaves(
       g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
       min_fraction=popts.shard_min_fraction)
@@ -460,7 +421,8 @@ def parallelize(
     try:
       g, plan, check = planned(opts)
     except planner_lib.InfeasibleError as e:
-      g, plan, check, prog = _uncapped_if_it_fits(e, opts, planned, build, c, model_ax)
+      memory = int(getattr(getattr(c, "hardware", None), "memory_bytes", 0) or 0)
+      g, plan, check, prog = fit_lib.uncapped_if_it_fits(e, opts, planned, build, memory, model_ax)
     else:
       plan, prog = build(g, plan)
     if model_ax > 1:

@@ -242,6 +242,22 @@ def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
     info, split_params=tuple(paths), param_nodes=tuple(h.name for h in holders))
 
 
+
+def leaf_rule_nodes(g: OpGraph, devices: int, rules: Sequence[str],
+                    min_fraction: float) -> dict[str, str]:
+  """Nodes to leave out of a batch split (`split_batch`'s `skip`) because the leaf rules among
+  `rules` split one of their parameter leaves (`shard.shard_leaves` on `g`): split by rows,
+  every piece would read that leaf whole (a copy per device, or gathered per micro-batch), where
+  the leaf split divides it (paper BigLSTM's vocabulary tables, 3.2 GB each: with both splits
+  offered and the tables' nodes split by rows, a 1x8 plan under a 4 GiB cap compiled to 12.1 GiB
+  per device; leaving those nodes to the leaf rules, 4.97 GiB)."""
+  rules = tuple(r for r in rules if r != "batch")
+  if not rules:
+    return {}
+  _, report = shard_lib.shard_leaves(g, devices, rules=rules, min_fraction=min_fraction)
+  return {x.node: f"the leaf rules split its parameter {x.path} (batch pieces would read it whole)"
+          for x in report.shards}
+
 def _micro_rows(g: OpGraph, axes: dict[Any, int | None]) -> int:
   """The micro-batch's rows: the leading dimension of the first batch input with examples."""
   from jaxhybrid.graph.opgraph import BATCH

@@ -179,3 +179,30 @@ def refit(
     f"{_size(min(user_caps))}, after {replans} re-plan(s) with lower planner caps "
     "(every device's rows are as long as the fullest device's, and group buffers as large as "
     "the largest device's values): use more model devices, more micro-batches or a larger cap")
+
+
+def uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Callable, build: Callable,
+                        device_memory_bytes: int, devices: int) -> tuple[Any, Any, Any, Any]:
+  """When the planner finds no plan under the memory caps (`error`): the plan made without caps,
+  if its program compiles within them, as (graph, plan, check, program); else `error` is raised.
+  The planner's search under a cap can miss a plan its own model would nearly accept: paper
+  BigLSTM 1x8 with batch and leaf splits under 5 GiB, 'the closest is 6.6 GB short', while the
+  uncapped plan compiled to 4.97 GiB. `planned(opts)` and `build(graph, plan)` are
+  `parallelize`'s planning and building steps; `device_memory_bytes` is the hardware's memory,
+  the caps under the planner's default."""
+  from jaxhybrid.planner.core import options as options_lib
+
+  caps = options_lib.PlannerOptions(
+    devices=devices, memory_caps_bytes=opts.get("memory_caps_bytes", options_lib.DEVICE_MEMORY),
+  ).caps(device_memory_bytes)
+  if not caps:
+    raise error
+  g, plan, check = planned({**opts, "memory_caps_bytes": None})
+  plan, prog = build(g, plan)
+  need = compiled_bytes(prog)
+  if need > min(caps):
+    raise error
+  log.warning("no plan under the memory cap in the planner's search; the plan made without it "
+              "compiles to %.2f GiB per device, within the %.2f GiB cap", need / GiB,
+              min(caps) / GiB)
+  return g, dataclasses.replace(plan, memory_caps_bytes=tuple(caps)), check, prog

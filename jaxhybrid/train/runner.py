@@ -33,6 +33,7 @@ from jaxhybrid.train import predict, solve_progress
 from jaxhybrid.train.overrides import parse_overrides  # noqa: F401 - runner.parse_overrides (run.py, advise.py)
 from jaxhybrid.train.run_data import make_batch_fn
 from jaxhybrid.train.run_report import plot_loss
+from jaxhybrid.train.memory_check import check_fits, memory_summary
 from jaxhybrid.train.validation import model_spec, validate  # noqa: F401 - runner.validate
 
 log = logging.getLogger(__name__)
@@ -371,44 +372,6 @@ def _replicate_step(state: Any, mesh: Any) -> Any:
   return state._replace(step=jax.make_array_from_callback((), sharding, lambda _: step))
 
 
-def predicted_memory(hybrid: Any) -> Any:
-  """The program's predicted per-device memory (jaxhybrid.program.memory; nothing compiled),
-  computed once per program."""
-  report = getattr(hybrid, "_predicted_memory", None)
-  if report is None:
-    report = hybrid.program.memory(compile=False)
-    object.__setattr__(hybrid, "_predicted_memory", report)
-  return report
-
-
-def check_fits(hybrid: Any, limit_bytes: int | None = None) -> None:
-  """Raises a one-line UsageError when the program's predicted per-device memory exceeds the
-  device's (`limit_bytes`, default: the accelerator's `bytes_limit`; CPU hosts are not checked:
-  their devices share the host's memory)."""
-  if limit_bytes is None:
-    dev = hybrid.mesh.devices.flat[0]
-    if dev.platform == "cpu":
-      return
-    limit_bytes = (dev.memory_stats() or {}).get("bytes_limit")
-    if not limit_bytes:
-      return
-  need = predicted_memory(hybrid).predicted
-  if need > limit_bytes:
-    raise errors.UsageError(
-      f"the plan needs {need / 2**30:.2f} GiB per device (predicted), more than the "
-      f"{limit_bytes / 2**30:.2f} GiB a device holds: use more model-axis devices (--mesh=DxM "
-      "with a larger M), more --microbatches or a smaller --batch; --dry_run prints the table"
-    )
-
-
-def _memory_summary(hybrid: Any, config: RunConfig) -> dict[str, Any]:
-  """Per-device memory of the step as the memory model predicts it (bytes), by part."""
-  r = predicted_memory(hybrid)
-  # The stage the program runs (one data replica runs every stage as 0).
-  return {"zero": hybrid.program.zero, "predicted_bytes": int(r.predicted), "params_bytes": int(r.params),
-          "optimizer_bytes": int(r.optimizer), "gradients_bytes": int(r.gradients)}
-
-
 def run(config: RunConfig) -> dict[str, Any]:
   """Runs (or resumes) one training run and writes its workdir; call `setup_devices` first.
 
@@ -483,7 +446,7 @@ def run(config: RunConfig) -> dict[str, Any]:
                 "noise_scale": next((r["noise_scale"] for r in reversed(rows) if "noise_scale" in r), None)},
     "predicted_step_s": predicted["step_s"],
     "predicted": predicted,
-    "memory": _memory_summary(hybrid, config),
+    "memory": memory_summary(hybrid),
     "measured_step_s": result.measured_step_s,
     "projection": None,
   }
