@@ -323,6 +323,8 @@ def role_time(work: pathlib.Path, name: str, config: str) -> None:
   elif config == "fsdp":  # FSDP on the same two devices and the same batch per step as the plan
     out["step_s_fsdp"] = bench_baselines.fsdp_step_s(
       pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup)
+    out["step_s_fsdp_bucketed"] = bench_baselines.fsdp_bucketed_step_s(
+      pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup)
   else:
     raise ValueError(f"unknown --config={config!r}: one of {_configs(1)} (plan_<i>: candidate i)")
   if jax.process_index() == 0:
@@ -471,7 +473,8 @@ def main(argv):
   cases = driver()
   cols = ["model", "step_s_plan", "measured_speedup", "measured_speedup_both_busy",
           "predicted_speedup", "step_error_mean", "step_error_max", "rank_correlation",
-          "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp", "ratio_vs_fsdp", "zero1_step_ratio_2x1",
+          "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp", "ratio_vs_fsdp", "ratio_vs_fsdp_bucketed",
+          "zero1_step_ratio_2x1",
           "zero2_step_ratio_2x1"]
   print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:

@@ -49,12 +49,15 @@ The row (experiments/results/bench_mp.json holds one per model):
   (null below 3 candidates).
 - `baselines`: steps of what a user would otherwise run. On the two devices with the plan's
   batch: `fsdp` (every leaf and the batch sharded over both devices with `NamedSharding`, plain
-  jit), `gspmd_tp` (mesh 1x2, each weight sharded over 'model' on its largest divisible
+  jit: XLA's collectives per leaf), `fsdp_bucketed` (every parameter in one flat buffer sharded
+  over both devices: one all-gather and one reduce-scatter per step, the optimizer on each
+  device's half; `bench_baselines.bucketed_fsdp_step`), `gspmd_tp` (mesh 1x2, each weight sharded over 'model' on its largest divisible
   dimension). On mesh 2x1 with twice
   the batch: `jit_dp` (XLA's per-leaf all-reduces), `dp_bucketed` (one flat all-reduce),
   `hybrid_2x1` (the one-device plan as the hybrid program), `hybrid_2x1_zero1` and `_zero2`
   (optimizer state, and gradients too, sharded over 'data').
-- `ratio_vs_fsdp` = baselines.fsdp / step_s_plan, `ratio_vs_gspmd_tp` likewise;
+- `ratio_vs_fsdp` = baselines.fsdp / step_s_plan, `ratio_vs_fsdp_bucketed` and
+  `ratio_vs_gspmd_tp` likewise;
   `ratio_vs_dp_bucketed` = baselines.dp_bucketed / baselines.hybrid_2x1 (same mesh and batch);
   `zero1_step_ratio_2x1`, `zero2_step_ratio_2x1` = hybrid_2x1_zero{1,2} / hybrid_2x1.
 - Shard or place (when the graph has leaves to split): `sharded_over_placement_only` (the
@@ -117,7 +120,8 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
   step_plan = multi["step_s_plan"]
   errors = [abs(c["error"]) for c in cands]
   base = {
-    "fsdp": multi.get("step_s_fsdp"), "gspmd_tp": multi["step_s_gspmd_tp"],
+    "fsdp": multi.get("step_s_fsdp"), "fsdp_bucketed": multi.get("step_s_fsdp_bucketed"),
+    "gspmd_tp": multi["step_s_gspmd_tp"],
     "jit_dp": multi["step_s_jit_dp"], "dp_bucketed": multi["step_s_dp_bucketed"],
     "hybrid_2x1": multi["step_s_hybrid_2x1"],
     **{f"hybrid_2x1_zero{z}": multi[f"step_s_hybrid_2x1_zero{z}"] for z in (1, 2)
@@ -140,6 +144,8 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
                                  [c["measured_step_s"] for c in cands]),
     "baselines": base,
     "ratio_vs_fsdp": base["fsdp"] / step_plan if base["fsdp"] else None,
+    "ratio_vs_fsdp_bucketed": (base["fsdp_bucketed"] / step_plan if base["fsdp_bucketed"]
+                               else None),
     "ratio_vs_gspmd_tp": base["gspmd_tp"] / step_plan,
     "ratio_vs_dp_bucketed": base["dp_bucketed"] / base["hybrid_2x1"],
     **{f"zero{z}_step_ratio_2x1": base[f"hybrid_2x1_zero{z}"] / base["hybrid_2x1"] for z in (1, 2)
@@ -184,7 +190,7 @@ def summarise(single: dict[str, Any], multi: dict[str, Any],
 # The figures compared: the speedups, the baseline ratios and the chosen plan's step (ratios and
 # times; an error is compared by its two values, not by a relative difference of errors).
 FIGURES = ("measured_speedup", "measured_speedup_both_busy", "step_s_plan", "ratio_vs_fsdp",
-           "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp")
+           "ratio_vs_fsdp_bucketed", "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp")
 
 
 def compare(first: list[dict], second: list[dict]) -> dict:
