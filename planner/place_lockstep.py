@@ -194,10 +194,14 @@ def short_message(
   `placements` and the SHORT_MESSAGE_SPLITS most balanced contiguous splits: on 8 devices there
   are tens of thousands)."""
   short = float("inf")
-  for assign in placements + fbw_search.contiguous_splits(problem)[:SHORT_MESSAGE_SPLITS]:
+  tried = placements + fbw_search.contiguous_splits(problem)[:SHORT_MESSAGE_SPLITS]
+  for assign in tried:
     for _, schedule in fbw_search.schedules_for(problem, assign, k):
       mem = price_lib.peak_memory_bytes(problem, assign, schedule)
       short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
+  # The figure is the planner's memory model over the placements priced here, not a bound: a
+  # placement not among them, or the compiled program, can come closer (`program.fit`).
   return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
-          f"{k} micro-batch(es): the closest is {short:.0f} bytes short on its fullest device; "
-          f"{REMEDY}")
+          f"{k} micro-batch(es): of the {len(tried)} placements priced for this message, the "
+          f"closest needs {short:.0f} bytes more on its fullest device by the planner's memory "
+          f"model; {REMEDY}")

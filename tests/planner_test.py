@@ -110,6 +110,23 @@ def test_memory_infeasible_raises_typed_error_with_the_shortfall():
     planner.place_problem(prob, planner.PlannerOptions(devices=2, memory_caps_bytes=(20, 20)))
 
 
+def test_lockstep_shortfall_message_says_what_it_priced():
+  """The lock-step search's infeasible message names how many placements its figure covers and
+  that the figure is the planner's memory model (the compiled program can need less)."""
+  import re
+
+  from jaxhybrid.planner import place_lockstep
+  from jaxhybrid.planner.search import fbw_search
+
+  prob = Problem.build([1, 1, 1], [(0, 1), (1, 2)], devices=2, memory_bytes=[10, 30, 10])
+  msg = place_lockstep.short_message(prob, [(0, 0, 1)], 1, (20.0, 20.0))
+  n = 1 + len(fbw_search.contiguous_splits(prob)[:place_lockstep.SHORT_MESSAGE_SPLITS])
+  got = re.search(r"of the (\d+) placements priced for this message, the closest needs (\d+) "
+                  r"bytes more on its fullest device by the planner's memory model", msg)
+  assert got and int(got.group(1)) == n
+  assert int(got.group(2)) >= 10  # node 1 alone is 30 bytes against a cap of 20
+
+
 def test_pipelining_credits_splitting_a_layer_stack():
   # Four equal "LSTM layers": no gain without micro-batches, a pipeline with 4 of them.
   prob = Problem.build([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], devices=2, transfer_s=0.05)
