@@ -250,6 +250,8 @@ def _pieces_spread(g, M):
   ("1x4", 1, "gpipe", 0, "replicated"),
   ("2x2", 2, "1f1b", 1, "replicated"),  # the optimizer state sharded over 'data' too
   ("1x4", 2, "gpipe", 0, "split"), ("2x2", 2, "1f1b", 1, "split"), ("2x2", 1, "zb", 0, "split"),
+  # four replicas; gradients reduce-scattered over 'data' as they leave their groups (ZeRO 2)
+  ("4x2", 1, "1f1b", 2, "split"), ("4x2", 2, "gpipe", 0, "replicated"),
 ])
 def test_program_runs_split_nodes_on_every_device_exactly(mesh_spec, k, schedule, zero, params):
   model, batch = toy.LSTMNet(rngs=nnx.Rngs(1)), toy.lstm_batch(16, seed=2)
