@@ -104,6 +104,21 @@ def _log_lines(text: str) -> list[str]:
   return [ln for ln in text.splitlines() if ln[:1] in "DIWEF" and ln[1:5].isdigit()]
 
 
+def test_does_not_fit_advice_on_micro_batches_follows_the_plan():
+  """More micro-batches shrink a placed plan's buffers; a plan whose split nodes keep their
+  weights in slices keeps a gathered copy per micro-batch in flight, so the advice turns."""
+  import types
+
+  from jaxhybrid.train import dry_run
+
+  placed = types.SimpleNamespace(batch_splits=())
+  replicated = types.SimpleNamespace(batch_splits=({"node": "l0", "bounds": [0, 4, 8]},))
+  sliced = types.SimpleNamespace(batch_splits=({"node": "l0", "split_params": ["w"]},))
+  assert dry_run._microbatch_advice(placed, 2) == " or more --microbatches (now 2)"
+  assert dry_run._microbatch_advice(replicated, 1) == " or more --microbatches (now 1)"
+  assert dry_run._microbatch_advice(sliced, 4).startswith(" or fewer --microbatches (now 4: ")
+  assert dry_run._microbatch_advice(sliced, 1) == ""
+
 @pytest.mark.parametrize("verbosity", [0, 1])
 def test_planner_details_show_only_with_verbosity(verbosity, tmp_path):
   proc = run_py("--model=biglstm", "--mesh=1x2", "--steps=2", "--microbatches=2", "--time_limit=4",
