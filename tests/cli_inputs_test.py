@@ -109,15 +109,15 @@ def test_does_not_fit_advice_on_micro_batches_follows_the_plan():
   weights in slices keeps a gathered copy per micro-batch in flight, so the advice turns."""
   import types
 
-  from jaxhybrid.train import dry_run
+  from jaxhybrid.train import memory_check
 
   placed = types.SimpleNamespace(batch_splits=())
   replicated = types.SimpleNamespace(batch_splits=({"node": "l0", "bounds": [0, 4, 8]},))
   sliced = types.SimpleNamespace(batch_splits=({"node": "l0", "split_params": ["w"]},))
-  assert dry_run._microbatch_advice(placed, 2) == " or more --microbatches (now 2)"
-  assert dry_run._microbatch_advice(replicated, 1) == " or more --microbatches (now 1)"
-  assert dry_run._microbatch_advice(sliced, 4).startswith(" or fewer --microbatches (now 4: ")
-  assert dry_run._microbatch_advice(sliced, 1) == ""
+  assert memory_check.microbatch_advice(placed, 2) == " or more --microbatches (now 2)"
+  assert memory_check.microbatch_advice(replicated, 1) == " or more --microbatches (now 1)"
+  assert memory_check.microbatch_advice(sliced, 4).startswith(" or fewer --microbatches (now 4: ")
+  assert memory_check.microbatch_advice(sliced, 1) == ""
 
 @pytest.mark.parametrize("verbosity", [0, 1])
 def test_planner_details_show_only_with_verbosity(verbosity, tmp_path):

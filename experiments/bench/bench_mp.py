@@ -474,8 +474,7 @@ def main(argv):
   cols = ["model", "step_s_plan", "measured_speedup", "measured_speedup_both_busy",
           "predicted_speedup", "step_error_mean", "step_error_max", "rank_correlation",
           "ratio_vs_dp_bucketed", "ratio_vs_gspmd_tp", "ratio_vs_fsdp", "ratio_vs_fsdp_bucketed",
-          "zero1_step_ratio_2x1",
-          "zero2_step_ratio_2x1"]
+          "zero1_step_ratio_2x1", "zero2_step_ratio_2x1"]
   print(" ".join(f"{c[-16:]:>16}" for c in cols))
   for c in cases:
     if "skipped" in c:

@@ -51,9 +51,9 @@ The row (experiments/results/bench_mp.json holds one per model):
   batch: `fsdp` (every leaf and the batch sharded over both devices with `NamedSharding`, plain
   jit: XLA's collectives per leaf), `fsdp_bucketed` (every parameter in one flat buffer sharded
   over both devices: one all-gather and one reduce-scatter per step, the optimizer on each
-  device's half; `bench_baselines.bucketed_fsdp_step`), `gspmd_tp` (mesh 1x2, each weight sharded over 'model' on its largest divisible
-  dimension). On mesh 2x1 with twice
-  the batch: `jit_dp` (XLA's per-leaf all-reduces), `dp_bucketed` (one flat all-reduce),
+  device's half; `bench_baselines.bucketed_fsdp_step`), `gspmd_tp` (mesh 1x2, each weight
+  sharded over 'model' on its largest divisible dimension). On mesh 2x1 with twice the batch:
+  `jit_dp` (XLA's per-leaf all-reduces), `dp_bucketed` (one flat all-reduce),
   `hybrid_2x1` (the one-device plan as the hybrid program), `hybrid_2x1_zero1` and `_zero2`
   (optimizer state, and gradients too, sharded over 'data').
 - `ratio_vs_fsdp` = baselines.fsdp / step_s_plan, `ratio_vs_fsdp_bucketed` and

@@ -242,7 +242,6 @@ def _store_split(g: OpGraph, made: list[Node], info: NodeSplit, devices: int
     info, split_params=tuple(paths), param_nodes=tuple(h.name for h in holders))
 
 
-
 def leaf_rule_nodes(g: OpGraph, devices: int, rules: Sequence[str],
                     min_fraction: float) -> dict[str, str]:
   """Nodes to leave out of a batch split (`split_batch`'s `skip`) because the leaf rules among
@@ -257,6 +256,7 @@ def leaf_rule_nodes(g: OpGraph, devices: int, rules: Sequence[str],
   _, report = shard_lib.shard_leaves(g, devices, rules=rules, min_fraction=min_fraction)
   return {x.node: f"the leaf rules split its parameter {x.path} (batch pieces would read it whole)"
           for x in report.shards}
+
 
 def _micro_rows(g: OpGraph, axes: dict[Any, int | None]) -> int:
   """The micro-batch's rows: the leading dimension of the first batch input with examples."""

@@ -186,8 +186,8 @@ def uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Callabl
   """When the planner finds no plan under the memory caps (`error`): the plan made without caps,
   if its program compiles within them, as (graph, plan, check, program); else `error` is raised.
   The planner's search under a cap can miss a plan its own model would nearly accept: paper
-  BigLSTM 1x8 with batch and leaf splits under 5 GiB, 'the closest is 6.6 GB short', while the
-  uncapped plan compiled to 4.97 GiB. `planned(opts)` and `build(graph, plan)` are
+  BigLSTM 1x8 with batch and leaf splits under 5 GiB, the closest placement it priced 6.6 GB
+  over by its model, while the uncapped plan compiled to 4.97 GiB. `planned(opts)` and `build(graph, plan)` are
   `parallelize`'s planning and building steps; `device_memory_bytes` is the hardware's memory,
   the caps under the planner's default."""
   from jaxhybrid.planner.core import options as options_lib

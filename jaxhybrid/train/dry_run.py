@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
+from jaxhybrid.train import memory_check
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -120,22 +121,9 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
           + (" (--memory_cap_gib)" if getattr(config, "memory_cap_gib", None) else "")
           + "; try more model devices "
           f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch})"
-          + _microbatch_advice(plan, config.microbatches)
+          + memory_check.microbatch_advice(plan, config.microbatches)
           + (", or --zero=2 (optimizer state and gradients sharded over the data replicas)"
              if data > 1 and getattr(config, "zero", 0) < 2 else ""))
-
-
-def _microbatch_advice(plan: Any, k: int) -> str:
-  """The micro-batch part of `_advice`. More micro-batches make each smaller, but a plan whose
-  split nodes keep their weights in slices gathers a copy per micro-batch in flight, so there
-  fewer take less (paper BigLSTM 1x8 with sliced weights: 4.59 GiB at k=2, 4.00 GiB at k=1)."""
-  sliced = any(s.get("split_params") for s in getattr(plan, "batch_splits", ()) or ())
-  if not sliced:
-    return f" or more --microbatches (now {k})"
-  if k > 1:
-    return (f" or fewer --microbatches (now {k}: each micro-batch in flight keeps its own "
-            "gathered copy of the sliced weights)")
-  return ""
 
 
 def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:

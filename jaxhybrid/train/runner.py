@@ -30,10 +30,10 @@ import numpy as np
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
 from jaxhybrid.train import predict, solve_progress
+from jaxhybrid.train.memory_check import check_fits, memory_summary
 from jaxhybrid.train.overrides import parse_overrides  # noqa: F401 - runner.parse_overrides (run.py, advise.py)
 from jaxhybrid.train.run_data import make_batch_fn
 from jaxhybrid.train.run_report import plot_loss
-from jaxhybrid.train.memory_check import check_fits, memory_summary
 from jaxhybrid.train.validation import model_spec, validate  # noqa: F401 - runner.validate
 
 log = logging.getLogger(__name__)
