@@ -234,10 +234,11 @@ def hybrid_zero_steps_s(model, loss_fn, opt, batch, mesh, stages, rounds, steps,
   return {z: float(np.median(np.concatenate(t))) for z, t in zip(stages, times)}
 
 
-def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
+def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup, steps_bucketed=None):
   """Median steps of data parallelism over 'data' (the batch's leading dimension split):
-  plain jit, where XLA all-reduces each gradient leaf, and `bucketed_dp_step` (one flat
-  all-reduce). Returns (plain, bucketed)."""
+  plain jit, where XLA all-reduces each gradient leaf, over `steps` timed steps, and
+  `bucketed_dp_step` (one flat all-reduce) over `steps_bucketed` (default `steps`). Returns
+  (plain, bucketed)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -253,7 +254,8 @@ def dp_steps_s(pure, opt, params_state, batch, mesh, steps, warmup):
   carry = jax.tree.map(lambda x: _put(x, rep), (p, opt.init(p), s))
   plain = timeit(jax.jit(plain_step(pure, opt), donate_argnums=0), carry, bt, steps, warmup)[0]
   carry = jax.tree.map(lambda x: _put(x, rep), (p, opt.init(p), s))
-  bucketed = timeit(bucketed_dp_step(pure, opt, mesh, carry, bt), carry, bt, steps, warmup)[0]
+  bucketed = timeit(bucketed_dp_step(pure, opt, mesh, carry, bt), carry, bt,
+                    steps_bucketed or steps, warmup)[0]
   return plain, bucketed
 
 

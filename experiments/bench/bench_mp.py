@@ -259,6 +259,15 @@ def _configs(n: int) -> list[str]:
           "fsdp"]
 
 
+def _best_baseline_steps() -> int:
+  """Timed steps of the one-buffer baselines (FSDP and DP at their best, the ratios the plans
+  are held to): as many as a candidate gets over its rounds (--steps x --rounds). Timed over
+  --steps alone, `ratio_vs_dp_bucketed` moved by up to 29 % between two runs of the defaults
+  (bench_mp_repro.json as of commit 0f364ea) while the candidates' steps moved by at most 10 %.
+  The per-leaf baselines (1-4 s steps) keep --steps."""
+  return FLAGS.steps * max(1, FLAGS.rounds)
+
+
 def role_time(work: pathlib.Path, name: str, config: str) -> None:
   """Times one configuration (`_configs`, or `unpacked_<i>`) on this job's two processes; rank 0
   writes `time_<model>_<config>.json`: the per-block step times (--rounds blocks of --steps timed
@@ -316,7 +325,7 @@ def role_time(work: pathlib.Path, name: str, config: str) -> None:
   elif config == "dp":
     out["step_s_jit_dp"], out["step_s_dp_bucketed"] = bench_baselines.dp_steps_s(
       pure, opt, (p, s), spec.synthetic_batch(0, 2 * b), mesh_lib.make("2x1"), FLAGS.steps,
-      FLAGS.warmup)
+      FLAGS.warmup, steps_bucketed=_best_baseline_steps())
   elif config == "gspmd_tp":  # GSPMD tensor parallel on 1x2
     out["step_s_gspmd_tp"] = bench_baselines.gspmd_tp_step_s(
       pure, opt, (p, s), batch, mesh_lib.make("1x2"), FLAGS.steps, FLAGS.warmup)
@@ -324,7 +333,7 @@ def role_time(work: pathlib.Path, name: str, config: str) -> None:
     out["step_s_fsdp"] = bench_baselines.fsdp_step_s(
       pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup)
     out["step_s_fsdp_bucketed"] = bench_baselines.fsdp_bucketed_step_s(
-      pure, opt, (p, s), batch, mesh_lib.make("2x1"), FLAGS.steps, FLAGS.warmup)
+      pure, opt, (p, s), batch, mesh_lib.make("2x1"), _best_baseline_steps(), FLAGS.warmup)
   else:
     raise ValueError(f"unknown --config={config!r}: one of {_configs(1)} (plan_<i>: candidate i)")
   if jax.process_index() == 0:

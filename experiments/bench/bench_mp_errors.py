@@ -55,7 +55,9 @@ The row (experiments/results/bench_mp.json holds one per model):
   sharded over 'model' on its largest divisible dimension). On mesh 2x1 with twice the batch:
   `jit_dp` (XLA's per-leaf all-reduces), `dp_bucketed` (one flat all-reduce),
   `hybrid_2x1` (the one-device plan as the hybrid program), `hybrid_2x1_zero1` and `_zero2`
-  (optimizer state, and gradients too, sharded over 'data').
+  (optimizer state, and gradients too, sharded over 'data'). The one-buffer baselines
+  (`fsdp_bucketed`, `dp_bucketed`) are medians over as many timed steps as a candidate gets
+  (--steps x --rounds), the per-leaf ones over --steps.
 - `ratio_vs_fsdp` = baselines.fsdp / step_s_plan, `ratio_vs_fsdp_bucketed` and
   `ratio_vs_gspmd_tp` likewise;
   `ratio_vs_dp_bucketed` = baselines.dp_bucketed / baselines.hybrid_2x1 (same mesh and batch);
