@@ -191,24 +191,30 @@ class OpGraph:
 
     return residuals.saved_bytes(self, node)
 
-  def copied_param_bytes(self, node: Node) -> int:
-    """Bytes of the node's parameter leaves a task reads whole (a matmul, a convolution, a loop):
-    all of them but the tables it only looks up by rows (every reader a row gather; the program
-    reads those in place, `jaxhybrid.program.lookups`). The planner prices a gradient task's
-    weight copy and gradient window with it (`Problem.transient_bytes`)."""
+  def param_reads(self, node: Node) -> list[tuple[int, int, bool]]:
+    """(parameter leaf index, bytes, looked up) of every parameter leaf the node reads, once each:
+    looked up when every reader of the leaf in the node is a row gather (a table the program
+    reads in place, `jaxhybrid.program.lookups`), else read whole (a matmul, a convolution, a
+    loop)."""
     from jaxhybrid.graph import shard_rules
 
     kinds = dict(zip(self.jaxpr.invars, self.input_kinds))
-    total = 0
+    out = []
     for v in dict.fromkeys(node.invars):
-      if kinds.get(v, (None,))[0] != PARAM:
+      kind, idx = kinds.get(v, (None, -1))
+      if kind != PARAM:
         continue
       eqns, _ = shard_rules.inline(node.eqns, {v})
       readers = [e for e in eqns if any(u is v for u in e.invars)]
-      if readers and all(shard_rules.reader_axis(e, v)[0] == "lookup" for e in readers):
-        continue
-      total += aval_bytes(v.aval)
-    return total
+      looked_up = bool(readers) and all(
+        shard_rules.reader_axis(e, v)[0] == "lookup" for e in readers)
+      out.append((int(idx), aval_bytes(v.aval), looked_up))
+    return out
+
+  def copied_param_bytes(self, node: Node) -> int:
+    """Bytes of the node's parameter leaves a task reads whole (`param_reads`): all of them but
+    the tables it only looks up by rows."""
+    return sum(b for _, b, looked_up in self.param_reads(node) if not looked_up)
 
   def node_fn(self, node: Node) -> Callable[..., list[Any]]:
     """A function `(*inputs) -> [outputs]` replaying the node's equations."""

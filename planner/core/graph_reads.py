@@ -22,6 +22,48 @@ def copied_param_bytes(graph: Any, nodes: Sequence[Any]) -> list[int]:
   return [int(per_node(n)) for n in nodes]
 
 
+def gradient_row_split(
+  graph: Any, nodes: Sequence[Any], slot_min_bytes: int | None, one_window: bool,
+) -> tuple[list[int], list[int]]:
+  """Per node, (bytes its tasks copy out of the device's rows, bytes whose gradient needs no
+  accumulator row), as the program lays the parameters out (`jaxhybrid.program.structure`):
+
+  - a leaf of `slot_min_bytes` or more has a row of its own and is read in place; a smaller one
+    lies in the packed row and a task reading it whole copies it out (`program.memory.
+    param_copies`); a looked-up table or a leaf several nodes read is never copied;
+  - with `one_window` (one micro-batch, no ZeRO), a leaf with a row of its own, read whole by
+    one node that is not part of a batch split, gets its whole gradient as ONE window of the
+    step: that window is the gradient, with no accumulator row (`program.gradients.
+    single_window_rows`).
+
+  A graph that does not say which leaves its nodes read: every parameter byte a copy (the
+  `copied_param_bytes` figure) and none without a row."""
+  reads_of = getattr(graph, "param_reads", None)
+  if reads_of is None:
+    return copied_param_bytes(graph, nodes), [0] * len(nodes)
+  reads = [reads_of(n) for n in nodes]
+  readers: dict[int, int] = {}
+  for r in reads:
+    for leaf, _, _ in r:
+      readers[leaf] = readers.get(leaf, 0) + 1
+  split = {name for s in getattr(graph, "batch_splits", ()) or ()
+           for name in (s.node, *s.piece_nodes, *s.param_nodes)}
+  slot = float("inf") if slot_min_bytes is None else slot_min_bytes
+  copies, single = [], []
+  for n, r in zip(nodes, reads):
+    c = w = 0
+    for leaf, b, looked_up in r:
+      if looked_up or readers[leaf] > 1:
+        continue
+      if b < slot:
+        c += b
+      elif one_window and n.name not in split:
+        w += b
+    copies.append(c)
+    single.append(w)
+  return copies, single
+
+
 def values(
   nodes: Sequence[Any], keys: Sequence[tuple[int, int]], merged: dict[tuple[int, int], int]
 ) -> tuple[tuple[int, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]:

@@ -67,6 +67,15 @@ class PlannerOptions:
   optimizer_state_factor: float = 2.0
   # Assumption: gradient bytes per parameter byte (one gradient buffer of the parameters' size).
   gradient_factor: float = 1.0
+  # Parameter leaves of this many bytes or more lie in a row of their own and are read in place
+  # (the program's slot rows: `parallelize` passes jaxhybrid.program.structure.SLOT_MIN_BYTES);
+  # smaller ones lie in the packed row and the tasks that read them whole copy them out. None:
+  # every leaf in the packed row.
+  slot_min_bytes: int | None = 1 << 20
+  # With one micro-batch, a leaf with a row of its own read by one node gets its whole gradient
+  # as one window, with no accumulator row (the program does so outside ZeRO: `parallelize`
+  # passes False under ZeRO). False: every leaf has a gradient row (`gradient_factor`).
+  single_window_gradients: bool = True
   # What a node keeps per micro-batch in flight, from its forward to its backward: 'saved' =
   # its outputs plus the residuals its pullback holds, traced from the node's jaxpr
   # (`OpGraph.saved_bytes`; an LSTM layer keeps every step's gates, ~100x its output);
@@ -222,6 +231,9 @@ class PlannerOptions:
   def __post_init__(self):
     if not isinstance(self.devices, int) or self.devices < 1:
       raise ValueError(f"devices={self.devices!r}: use an integer >= 1.")
+    if self.slot_min_bytes is not None and not (
+        isinstance(self.slot_min_bytes, int) and self.slot_min_bytes >= 0):
+      raise ValueError(f"slot_min_bytes={self.slot_min_bytes!r}: use bytes >= 0, or None.")
     if not isinstance(self.microbatches, int) or self.microbatches < 1:
       raise ValueError(f"microbatches={self.microbatches!r}: use an integer >= 1.")
     if not self.time_limit_s > 0:

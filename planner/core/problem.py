@@ -30,12 +30,13 @@ FORWARD_SHARE = 1.0 / 3.0
 # Share of the backward that is the input cotangent (B) when a schedule splits B and W and no
 # split is given (assumption: a matmul's two backward products cost the same).
 INPUT_GRAD_SHARE = 0.5
-# Copies of a node's parameters a device holds while the node's gradient task runs, beside its
-# rows and residuals (`Problem.transient_bytes`): the weights sliced out of the device's row and
-# the gradient window the task returns (program.memory: `param_copies`, gradient windows).
-# Looked-up tables are read in place and return row gradients: not counted. An upper figure: a
-# leaf that fills a slot row of its own is read without a copy.
-TASK_PARAM_COPIES = 2
+# Copies of a node's parameters a device holds while one of its tasks runs, beside its rows and
+# residuals (`Problem.transient_bytes`): the leaves the task copies out of the packed row
+# (`graph_reads.gradient_row_split`; program.memory: `param_copies`). The gradient window a
+# gradient task returns is priced with its lock-step group (`price.group_peak_bytes`). Counted
+# twice, weights and window, the planner's figure ran 5-25 % above the compiled step on plans at
+# one micro-batch (bench_memory.json, `planner_device_error`, as of commit a91b852).
+TASK_PARAM_COPIES = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,9 +98,10 @@ class Problem:
   # repeats the recurrent cotangent, so then B + W exceeds the backward (costs'
   # `weight_grad_time_s`; BigLSTM's LSTM measured 1.33x on one core).
   weight_grad_task_s: tuple[float, ...] = ()
-  # Bytes every device holds beside its static bytes and residuals while the largest gradient
-  # task runs (TASK_PARAM_COPIES x the largest node's parameters not read by row lookups; the
-  # SPMD program allocates the largest device's on every device); 0 = not modelled. The solvers
+  # Bytes every device holds beside its static bytes and residuals while the node with the most
+  # copied leaves runs a task (TASK_PARAM_COPIES x those leaves' bytes: leaves in the packed row,
+  # read whole; the SPMD program allocates the largest device's on every device); 0 = not
+  # modelled. The solvers
   # see the caps less this; `Plan.device_peak_bytes` includes it.
   transient_bytes: int = 0
   # Parameter leaves more than one node reads: (static bytes, reader nodes) each, the static
@@ -391,8 +393,10 @@ class Problem:
     """Reads a traced graph and a cost model.
 
     Memory per node (assumption, PlannerOptions): param_bytes * (1 + optimizer_state_factor +
-    gradient_factor) held once, plus per micro-batch in flight what the node keeps for its
-    backward (`activation_model`: outputs + residuals, or outputs only) * activation_factor.
+    gradient_factor) held once (with one micro-batch, no gradient row for the leaves whose
+    gradient is one window: `graph_reads.gradient_row_split`), plus per micro-batch in flight
+    what the node keeps for its backward (`activation_model`: outputs + residuals, or outputs
+    only) * activation_factor.
     A parameter leaf several nodes read is counted apart, once per device (`shared_static`).
     Parallel edges between the same two nodes are merged (bytes summed).
 
@@ -458,6 +462,9 @@ class Problem:
     hw = getattr(costs, "hardware", None) or link
     shared = graph_reads.shared_params(graph, nodes)
     copied = graph_reads.copied_param_bytes(graph, nodes)
+    copies, single = graph_reads.gradient_row_split(
+      graph, nodes, options.slot_min_bytes,
+      options.single_window_gradients and options.microbatches == 1)
     own = [int(n.param_bytes) for n in nodes]
     for b, readers in shared:
       for r in readers:
@@ -465,7 +472,8 @@ class Problem:
     return cls(
       names=tuple(str(n.name) for n in nodes),
       compute_s=tuple(total),
-      static_bytes=tuple(int(round(b * weight)) for b in own),
+      static_bytes=tuple(int(round(b * weight - w * options.gradient_factor))
+                         for b, w in zip(own, single)),
       shared_static=tuple((int(round(b * weight)), readers) for b, readers in shared),
       batch_bytes=graph_reads.batch_bytes(graph),
       activation_bytes=tuple(int(round(b * options.activation_factor))
@@ -488,6 +496,6 @@ class Problem:
       link_s_per_byte=spb,
       device_memory_bytes=int(getattr(hw, "memory_bytes", 0) or 0),
       param_bytes=tuple(int(n.param_bytes) for n in nodes),
-      transient_bytes=TASK_PARAM_COPIES * max(copied, default=0),
+      transient_bytes=TASK_PARAM_COPIES * max(copies, default=0),
       window_bytes=tuple(copied),
     )
