@@ -402,22 +402,19 @@ def parallelize(
     # The plan records the task schedule the program runs (plan.json carries it; schema 2), and
     # its lock-step price and memory are those of that schedule.
     if plan_.lockstep_step_s and prog_.schedule != plan_.task_schedule:
-      popts = planner_lib.PlannerOptions(
-        devices=model_ax, microbatches=microbatches, optimizer_state_factor=state_factor,
-        **_layout_options(prog_opts),
+      popts = planner_lib.PlannerOptions(devices=model_ax, microbatches=microbatches,
+        optimizer_state_factor=state_factor, **structure.planner_options(prog_opts.get("zero", 0))
       ).replace(**{k: v for k, v in (planner_options or {}).items() if k not in ("devices",)})
       plan_ = planner_lib.reprice(plan_, planner_lib.Problem.from_graph(g_, c, popts), prog_.schedule)
     return dataclasses.replace(plan_, task_schedule=prog_.schedule), prog_
 
   check = None
   if plan is None:
-    opts = dict(planner_options or {})
-    # The planner's memory counts optimizer state per parameter byte: this optimizer's.
-    opts.setdefault("optimizer_state_factor", state_factor)
-    opts.setdefault("microbatches", microbatches)
-    opts.setdefault("method", planner)
-    for k_, v_ in _layout_options(prog_opts).items():
-      opts.setdefault(k_, v_)
+    # The planner's memory counts optimizer state per parameter byte (this optimizer's) and
+    # lays parameters and gradients out as the program does.
+    opts = {"optimizer_state_factor": state_factor, "microbatches": microbatches,
+            "method": planner, **structure.planner_options(prog_opts.get("zero", 0)),
+            **(planner_options or {})}
     if isinstance(prog_opts.get("schedule"), str):
       # The planner picks the schedule of the kind the program is asked to run (plus order).
       opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
@@ -470,16 +467,6 @@ def optimizer_state_factor(optimizer: Any, graph: graph_lib.OpGraph) -> float:
 
   params = nbytes(avals)
   return nbytes(jax.eval_shape(optimizer.init, avals)) / params if params else 0.0
-
-
-def _layout_options(program_options: dict[str, Any]) -> dict[str, Any]:
-  """The planner options that say how the program lays parameters and gradients out: its slot
-  rows (`structure.SLOT_MIN_BYTES`) and, outside ZeRO, gradients with no accumulator row at
-  one micro-batch (`PlannerOptions.single_window_gradients`)."""
-  from jaxhybrid.program import structure
-
-  return {"slot_min_bytes": structure.SLOT_MIN_BYTES,
-          "single_window_gradients": not program_options.get("zero", 0)}
 
 
 def _check_program_options(options: dict[str, Any]) -> None:

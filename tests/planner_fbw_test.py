@@ -60,13 +60,11 @@ def test_gradient_rows_and_weight_copies_follow_the_programs_layout():
   the tasks that read it. Under ZeRO, or with more micro-batches, every leaf has a row."""
   cm = SumOnlyCosts()
   base = {"devices": 2, "optimizer_state_factor": 2.0, "gradient_factor": 1.0}
-
   def problem(k, **kw):
-    return Problem.from_graph(_chain_graph(k), cm, planner.PlannerOptions(
-      microbatches=k, **base, **kw))
+    opts = planner.PlannerOptions(microbatches=k, **base, **kw)
+    return Problem.from_graph(_chain_graph(k), cm, opts)
 
-  params = [n.param_bytes for n in _chain_graph(1).nodes]
-  assert min(params) > 0
+  assert min(params := [n.param_bytes for n in _chain_graph(1).nodes]) > 0
   packed = problem(1, slot_min_bytes=None)
   assert packed.static_bytes == tuple(4 * b for b in params)  # + state x 2 + gradient
   assert packed.transient_bytes == max(params)

@@ -45,6 +45,13 @@ SLOT_MIN_BYTES: int | None = 1 << 20
 SLOT_EXTRA_FRACTION = 0.05
 
 
+def planner_options(zero: int = 0) -> dict[str, Any]:
+  """The planner options that say how the program lays parameters and gradients out: its slot
+  rows (SLOT_MIN_BYTES) and, outside ZeRO, gradients with no accumulator row at one micro-batch
+  (`PlannerOptions.single_window_gradients`; gradients.single_window_rows)."""
+  return {"slot_min_bytes": SLOT_MIN_BYTES, "single_window_gradients": not zero}
+
+
 def row_dtype(row: str) -> str:
   """The dtype name of a row key ('float32' for the packed row, 'float32#2' for a slot row)."""
   return row.split("#", 1)[0]

@@ -462,8 +462,7 @@ class Problem:
     hw = getattr(costs, "hardware", None) or link
     shared = graph_reads.shared_params(graph, nodes)
     copied = graph_reads.copied_param_bytes(graph, nodes)
-    copies, single = graph_reads.gradient_row_split(
-      graph, nodes, options.slot_min_bytes,
+    copies, single = graph_reads.gradient_row_split(graph, nodes, options.slot_min_bytes,
       options.single_window_gradients and options.microbatches == 1)
     own = [int(n.param_bytes) for n in nodes]
     for b, readers in shared:
