@@ -30,6 +30,7 @@ from jaxhybrid import mesh as mesh_lib
 from jaxhybrid import program as program_lib
 from jaxhybrid.graph import batch_split as batch_lib
 from jaxhybrid.graph import shard as shard_lib
+from jaxhybrid.graph import offer as offer_lib
 from jaxhybrid.program.plan_check import PlanCheck, reference_step
 from jaxhybrid.program.plan_check import check_plan as _check_plan
 from jaxhybrid.program import fit as fit_lib
@@ -215,7 +216,8 @@ def parallelize(
     planner: 'milp' (DLPlacer) or a heuristic: 'etf', 'dp', 'interleaved', 'single'.
     costs: a cost model (default: analytic for `hardware` or the current device).
     hardware: hardware profile name for the default costs.
-    planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...).
+    planner_options: extra `PlannerOptions` fields (time_limit_s, gap, threads, seed, ...);
+      `task_temp` also takes 'auto' (default), 'program' or 'none' (`fit.planner_task_temp`).
     plan: an existing Plan to apply instead of planning (must be for this graph).
     depth, max_nodes: graph coarsening (see `jaxhybrid.graph.trace`): by default the module
       tree is cut from the top towards `max_nodes` nodes (lists of layers become one node per
@@ -248,10 +250,8 @@ def parallelize(
   m = mesh_lib.make(mesh) if isinstance(mesh, str) else mesh
   data, model_ax = m.shape[mesh_lib.DATA], m.shape[mesh_lib.MODEL]
   flat, _ = jax.tree_util.tree_flatten_with_path(sample_batch)
-  sizes = [
-    _leading(x) for p, x in flat
-    if _leading(x) is not None and _leaf_name(p) not in shared_batch_keys
-  ]
+  sizes = [_leading(x) for p, x in flat
+           if _leading(x) is not None and _leaf_name(p) not in shared_batch_keys]
   if not sizes:
     raise ValueError("the sample batch has no leaf with a batch dimension")
   global_batch = max(set(sizes), key=sizes.count)
@@ -286,10 +286,8 @@ def parallelize(
     # An abstract model (nnx.eval_shape) plans and compiles without allocating its parameters
     # (e.g. `program.memory()` at paper size); its small read-only state is zeros.
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(p))
-    state_leaves = [
-      np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
-      for x in jax.tree.leaves(s)
-    ]
+    state_leaves = [np.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+                    for x in jax.tree.leaves(s)]
 
     def init_leaves() -> list[Any]:
       if abstract:
@@ -325,7 +323,7 @@ def parallelize(
 
   # Shard options: large leaves split into one piece per model device, each piece a node the
   # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
-  g_traced = g
+  g_traced = g_leaves = g
   skipped: tuple[tuple[str, str], ...] = ()
 
   def apply_splits(g_: graph_lib.OpGraph, plan_: Any) -> graph_lib.OpGraph:
@@ -340,37 +338,21 @@ def parallelize(
       k: v for k, v in (planner_options or {}).items()
       if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction",
                "batch_split_params")})
-    if "batch" in popts.shard_rules:  # nodes split by rows first: leaves are split in them
-      if micro % model_ax:
-        log.info("no batch split: a micro-batch of %d rows does not split over %d devices",
-                 micro, model_ax)
-      else:
-        g, _ = batch_lib.split_batch(g, small_trace(), model_ax,
-                                     min_fraction=popts.batch_split_min_fraction,
-                                     params=popts.batch_split_params,
-                                     skip=batch_lib.leaf_rule_nodes(
-                                       g, model_ax, popts.shard_rules, popts.shard_min_fraction))
-    g, report = shard_lib.shard_leaves(
-      g, model_ax, rules=tuple(r for r in popts.shard_rules if r != "batch"),
-      min_fraction=popts.shard_min_fraction)
-    pieces = {name for x in g.batch_splits for name in x.piece_nodes}
-    holders = {name for x in g.batch_splits for name in x.param_nodes}
-    read_by = lambda names: {
-      g.param_paths[j] for n in g.nodes if n.name in names for j in n.param_leaves}
-    why_not = {path: "read whole by the row pieces of its node (batch split)"
-               for path in read_by(pieces)}
-    why_not |= {path: "a slice of a leaf its node's batch split stores split"
-                for path in read_by(holders)}
-    skipped = tuple((path, why_not.get(path, why)) for path, why in report.skipped)
+    g, g_leaves, skipped = offer_lib.offer_splits(
+      g, model_ax, micro, small_trace, shard_rules=popts.shard_rules,
+      shard_min_fraction=popts.shard_min_fraction, batch_split_params=popts.batch_split_params,
+      batch_split_min_fraction=popts.batch_split_min_fraction)
   c = costs if costs is not None else default_costs(hardware)
   state_factor = optimizer_state_factor(optimizer, g_traced)
   prog_opts = dict(program_options or {})
   _check_program_options(prog_opts)
+  planner_options = fit_lib.planner_task_temp(planner_options, g, c, state_factor, prog_opts,
+                                              remat, m)
   def planned(opts: dict[str, Any]) -> tuple[graph_lib.OpGraph, Any, PlanCheck | None]:
     g_ = g
     if g_.shards or g_.batch_splits:
-      plan_, sharded = planner_lib.place_shard_or_whole(g_, g_traced, c, model_ax, **opts)
-      g_ = g_ if sharded else g_traced
+      plan_, g_ = planner_lib.place_shard_or_whole(
+        g_, g_traced, c, model_ax, recut=lambda s: shard_lib.apply(g_leaves, model_ax, s), **opts)
     else:
       plan_ = planner_lib.place(g_, c, devices=model_ax, **opts)
     plan_, check_ = _check_plan(g_, plan_, c, model_ax, microbatches, prog_opts, fall_back=True)

@@ -182,3 +182,44 @@ def test_the_dry_run_table_says_when_its_plan_was_made_without_the_cap():
   within = types.SimpleNamespace(device_peak_bytes=(4.0 * GiB,) * 2,
                                  memory_caps_bytes=(4.5 * GiB,) * 2)
   assert not any("found no plan" in x for x in table(within, report)["lines"])
+
+
+def test_the_planner_is_given_the_programs_task_temporaries_when_memory_may_bind():
+  """`planner_task_temp`: 'auto' gives the planner each node's compiled task temporaries only
+  when the model's static bytes reach TASK_TEMP_FRACTION of the cap; 'program' always, 'none'
+  never; the figures are the program's own (`node_calls.task_temp_bytes`)."""
+  import toy
+  from flax import nnx
+
+  from jaxhybrid import graph as graph_lib
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid import planner
+  from jaxhybrid.api import default_costs
+  from jaxhybrid.planner.core.problem import Problem
+  from jaxhybrid.program import node_calls
+
+  model = toy.Chain(width=16, layers=3, rngs=nnx.Rngs(0))
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, toy.mse_nnx)
+  g = graph_lib.trace_function(pure, p, s, toy.regression_batch(8))
+  costs, mesh = default_costs(), mesh_lib.make("1x1")
+  need = g.total_param_bytes * (2.0 + 1.0)  # parameters, gradient, one optimizer state
+  resolve = lambda opts: fit.planner_task_temp(opts, g, costs, 1.0, {}, (), mesh)  # noqa: E731
+  assert resolve({"memory_caps_bytes": (need / fit.TASK_TEMP_FRACTION * 1.01,)})["task_temp"] \
+    is None
+  assert resolve(None)["task_temp"] is None  # the hardware's cap: far above a toy model
+  assert resolve({"task_temp": "none"})["task_temp"] is None
+  mine = lambda graph, node: (1, 2)  # noqa: E731
+  assert resolve({"task_temp": mine})["task_temp"] is mine
+  with pytest.raises(ValueError, match="task_temp='sometimes'"):
+    resolve({"task_temp": "sometimes"})
+  for opts in ({"memory_caps_bytes": (need / fit.TASK_TEMP_FRACTION * 0.99,)},
+               {"task_temp": "program"}):
+    temp = resolve(opts)["task_temp"]
+    prob = Problem.from_graph(g, costs, planner.PlannerOptions(devices=2, task_temp=temp))
+    calls = node_calls.NodeCalls(graph=g, canonical_convs=True, branch_remat="none",
+                                 remat=frozenset())
+    consts = dict(zip(g.jaxpr.constvars, g.closed_jaxpr.consts))
+    assert prob.task_temp_bytes == tuple(
+      node_calls.task_temp_bytes(calls, n.id, consts) for n in g.nodes)
+    assert len(prob.task_temp_bytes) == len(g.nodes) > 1
+    assert max(map(max, prob.task_temp_bytes)) > 0

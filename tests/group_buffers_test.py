@@ -1,15 +1,21 @@
 """Group buffers as the memory model counts them: a hand-made schedule whose buffers are derived
-by hand, and the rule that shares packed lanes between values of different lifetimes."""
+by hand, the rule that shares packed lanes between values of different lifetimes, and the
+planner's count of each task's own temporaries."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
+import pytest
 import toy
 from flax import nnx
 from program_test import build
 
 from jaxhybrid.planner.core import task_schedule
+from jaxhybrid.planner.core.problem import Problem
+from jaxhybrid.planner.pricing import price
 from jaxhybrid.program import group_bytes, tasks
 
 
@@ -110,3 +116,27 @@ def test_parameter_copies_are_counted_once_per_group_from_first_to_last_reader()
       sum({k: v for dd, op in lay.tasks if dd == d for k, v in copies(d, op).items()}.values())
       for d in range(2))
     assert plain[g] <= real[g] <= plain[g] + most
+
+
+def test_a_tasks_own_temporaries_join_the_peak_of_its_group():
+  """`Problem.task_temp_bytes` (F's, B's) counts while the task runs, beside what its branch and
+  the group buffers hold: the hand-made two-device schedule of planner_fbw_test, whose group
+  peaks without temporaries are [40, 83, 45] and whose row is 20 bytes."""
+  prob = Problem.build([3, 2], [(0, 1)], devices=2, memory_bytes=[10, 20],
+                       activation_bytes=[5, 3], edge_bytes=[40])
+  F, B = (lambda i, t=t: task_schedule.Op(t, i, 0) for t in "FB")
+  sch = task_schedule.TaskSchedule(kind="custom", split=False, microbatches=1,
+                                   devices=((F(0), B(0)), (F(1), B(1))))
+  assert price.group_peak_bytes(prob, (0, 1), sch) == [40, 83, 45]
+  temps = dataclasses.replace(prob, task_temp_bytes=((100, 7), (1, 2)))
+  # Group 0: F0's 100 beside nothing in its branch; group 1: B1's 2 beside F1's residual (3)
+  # made in the branch (F1's 1 beside the same 3 is less); group 2: B0's 7.
+  assert price.group_peak_bytes(temps, (0, 1), sch) == [40 + 100, 80 + 3 + 2, 45 + 7]
+  assert price.peak_memory_bytes(temps, (0, 1), sch) == [20 + 140] * 2
+  # On one device the residual profile: F0 (5 + 100) is the peak.
+  one = dataclasses.replace(temps, devices=1, transfer_s=(((0.0,),),))
+  sch1 = task_schedule.TaskSchedule(kind="custom", split=False, microbatches=1,
+                                    devices=((F(0), F(1), B(1), B(0)),))
+  assert price.peak_memory_bytes(one, (0, 0), sch1) == [30 + 105]
+  with pytest.raises(ValueError, match="task_temp_bytes"):
+    dataclasses.replace(prob, task_temp_bytes=((1, 1),))

@@ -296,3 +296,51 @@ def test_convolution_kernels_split_on_output_features_match_reference():
     g, m, opt, [int(n.name.endswith("shard1")) for n in g.nodes], microbatches=2, state=s,
     per_example=per_example)
   assert_matches_reference(prog, p, s, pure, batch, opt)
+
+
+class TableAndHead(nnx.Module):
+  """A table only looked up (split by the lookup rule) and a head offered no rule: the head's
+  device holds the head beside its piece of the table."""
+
+  def __init__(self, *, rngs):
+    self.emb = nnx.Embed(8192, 64, rngs=rngs)
+    self.head = nnx.Linear(64, 2048, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.head(jnp.tanh(self.emb(ids)))
+
+
+def test_pieces_are_re_cut_to_even_the_rows_and_train_exactly():
+  """With the table's two pieces equal, the head's device holds the head more than the other
+  (every device allocates that row); the planner re-cuts the pieces so the head's device takes
+  fewer of the table's features, keeps it only when it holds less memory at no higher price,
+  and the program with unequal pieces trains exactly and round-trips through its plan."""
+  from conftest import DETERMINISTIC_PLANNER
+
+  from jaxhybrid import api
+  from jaxhybrid import planner
+
+  model = TableAndHead(rngs=nnx.Rngs(0))
+  batch = {"x": jnp.asarray(np.random.default_rng(0).integers(0, 8192, (8, 4)), jnp.int32)}
+  opt = optax.adam(1e-2)
+  # A sharded plan is kept within this tolerance of the whole-leaf one's price.
+  opts = dict(DETERMINISTIC_PLANNER, shard_rules=("lookup",), spread_tolerance=0.5)
+  hy = api.parallelize(model, table_loss, opt, batch, mesh="1x2", planner_options=opts)
+  (emb,) = hy.plan.shards
+  bounds = emb["bounds"]
+  assert emb["axis"] == 1 and bounds[0] == 0 and bounds[-1] == 64 and bounds[1] != 32, bounds
+  where = dict(zip(hy.plan.node_names, hy.plan.assignment))
+  head_dev = where["head"]
+  (piece_on_head_dev,) = [i for i, n in enumerate(emb["shard_nodes"]) if where[n] == head_dev]
+  widths = [b - a for a, b in zip(bounds, bounds[1:])]
+  assert widths[piece_on_head_dev] < 32 < widths[1 - piece_on_head_dev], (widths, where)
+  held = hy.plan.device_memory()
+  # Even within a piece's share of one feature column's bytes and the head's rounding.
+  assert max(held) / min(held) < 1.1, held
+  again = planner.Plan.from_json(hy.plan.to_json())
+  hy2 = api.parallelize(model, table_loss, opt, batch, mesh="1x2", plan=again)
+  assert hy2.program.layout.shapes == hy.program.layout.shapes
+  _, p, s, pure = graph_lib.nnx_pure_loss(model, table_loss)
+  assert_matches_reference(hy2.program, p, s, pure, batch, opt)
+  with pytest.raises(ValueError, match="give 3 increasing offsets from 0 to 64"):
+    shard.apply(graph_lib.trace_function(pure, p, s, batch), 2, [dict(emb, bounds=[0, 64, 64])])

@@ -50,11 +50,13 @@ _ZERO_ROWS = flags.DEFINE_list(
 _PLANNED_ROWS = flags.DEFINE_list(
   "planned_rows", ["biglstm:paper:4", "biglstm:paper:8", "biglstm:paper:8:7", "gnmt:small:4",
                    "gnmt:small:8", "inception_v3:small:4", "inception_v3:small:8"],
-  "<registry name>:<size>:<M>[:<cap GiB>][:batch][:k<N>]: the plan `parallelize` makes by default "
-  "(shard options on, the hardware's memory cap or the given one, DGX-1 V100 costs), 1F1B with "
-  "k = M (or N), compiled on 1 x M; ':batch' also offers the batch split with sliced parameters (run.py "
-  "--batch_split --batch_split_params=split); rows '<name>:<size>@planner' ('..._cap<C>GiB' "
-  "with a cap, '..._batch_split' with ':batch'), summary keys "
+  "<registry name>:<size>:<M>[:<cap GiB>][:batch][:k<N>][:temps]: the plan `parallelize` makes "
+  "by default (shard options on, the hardware's memory cap or the given one, DGX-1 V100 costs), "
+  "1F1B with k = M (or N), compiled on 1 x M; ':batch' also offers the batch split with sliced "
+  "parameters (run.py --batch_split --batch_split_params=split); ':temps' gives the planner the "
+  "program's task temporaries whatever the model's size (planner_options task_temp='program'; "
+  "by default only near the cap); rows '<name>:<size>@planner' ('..._cap<C>GiB' with a cap, "
+  "'..._batch_split' with ':batch', '..._task_temps' with ':temps'), summary keys "
   "'<row model>_1x<M>_over_fsdp' (FSDP from the same model's registry row at that M, when "
   "present) and 'planner_device_error_max' (the planner's per-device figure against the "
   "compiled bytes, every device of every planned row).")
@@ -173,12 +175,14 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
   for entry in _PLANNED_ROWS.value:
     name, size, m, *rest = entry.split(":")
     m = int(m)
-    batch_split = "batch" in rest
+    batch_split, temps = "batch" in rest, "temps" in rest
     k = next((int(x[1:]) for x in rest if x[:1] == "k" and x[1:].isdigit()), m)
-    cap = [x for x in rest if x != "batch" and not (x[:1] == "k" and x[1:].isdigit())]
+    cap = [x for x in rest
+           if x not in ("batch", "temps") and not (x[:1] == "k" and x[1:].isdigit())]
     label = (f"{name}:{size}@planner" + (f"_cap{cap[0]}GiB" if cap else "")
-             + ("_batch_split" if batch_split else ""))
+             + ("_batch_split" if batch_split else "") + ("_task_temps" if temps else ""))
     opts = {"memory_caps_bytes": int(float(cap[0]) * GiB)} if cap else {}
+    opts |= {"task_temp": "program"} if temps else {}
     if batch_split:  # run.py --batch_split --batch_split_params=split
       opts |= {"shard_rules": ("lookup", "column", "batch"), "batch_split_params": "split"}
     model, loss, batch, opt, _ = _registry_setup(name, size)
@@ -201,7 +205,8 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
                  "cap_bytes": int(min(hy.plan.memory_caps_bytes or (0,))),
                  "nodes": len(hy.graph.nodes), "plan_method": hy.plan.method,
                  "split_leaves": len(spread), "spread_leaves": sum(spread),
-                 "batch_split_nodes": len(hy.graph.batch_splits), **r.to_dict(),
+                 "batch_split_nodes": len(hy.graph.batch_splits),
+                 "planner_task_temp": opts.get("task_temp", "auto"), **r.to_dict(),
                  "planner_device_peak": peaks, "planner_device_error": planner_err,
                  "predicted_step_s": hy.plan.predicted_step_s,
                  "seconds": time.perf_counter() - t0})

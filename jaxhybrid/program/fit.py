@@ -4,8 +4,8 @@ The planner counts a device's memory as the longest device's rows (parameters, o
 gradient row: every model-axis device allocates rows that long) plus the lock-step groups'
 buffers at their peak, each as long as its largest device's part
 (`planner.pricing.price.peak_memory_bytes`). The program's figure still differs: the planner
-knows neither the packing of small values nor each task's own temporaries
-(`jaxhybrid.program.memory` does).
+knows neither the packing of small values nor, unless it is given them (`planner_task_temp`),
+each task's own temporaries (`jaxhybrid.program.memory` does).
 
 `refit` closes that gap: after a plan is built into a program, the program's predicted memory
 (`MemoryReport.predicted`, within 7.5 % of XLA's compiled figure over bench_memory's rows) is
@@ -65,6 +65,47 @@ class Refit:
 
 def _size(b: float) -> str:
   return f"{b / GiB:.2f} GiB" if b >= GiB else f"{b / 2**20:.2f} MiB"
+
+
+# Assumption, named here: `parallelize` gives the planner each node's compiled task temporaries
+# (a compile of every node's F and B alone) when the model's parameters, gradients and optimizer
+# state would fill this fraction of the smallest cap on one device. Without them the planner's
+# per-device figure ran 8-10.6 % under the compiled step on GNMT and Inception-V3 small
+# (bench_memory.json, `planner_device_error`); for a model far below the cap they cannot matter.
+TASK_TEMP_FRACTION = 0.25
+
+
+def planner_task_temp(planner_options: dict[str, Any] | None, graph: Any, costs: Any,
+                      state_factor: float, prog_opts: dict[str, Any], remat: Any,
+                      mesh: Any) -> dict[str, Any]:
+  """`planner_options` with `task_temp` resolved to the function the planner calls, or None.
+
+  `task_temp` may be a function (kept), 'auto' (the default: the program's compiled figure,
+  `node_calls.planner_task_temp`, when the model's static bytes reach TASK_TEMP_FRACTION of the
+  cap, `memory_caps_bytes` or the hardware's), 'program' (always) or 'none'.
+  """
+  from jaxhybrid.program import node_calls
+
+  opts = dict(planner_options or {})
+  mode = opts.get("task_temp", "auto")
+  if mode is None or callable(mode):
+    return opts
+  if mode not in ("auto", "program", "none"):
+    raise ValueError(f"planner_options task_temp={mode!r}: use 'auto', 'program', 'none' or a "
+                     "function (graph, node) -> (F bytes, B bytes).")
+  caps = opts.get("memory_caps_bytes") or (
+    getattr(getattr(costs, "hardware", None), "memory_bytes", 0) or 0)
+  caps = tuple(caps) if isinstance(caps, (tuple, list)) else (caps,)
+  need = graph.total_param_bytes * (2.0 + state_factor)
+  if mode == "none" or (mode == "auto" and not (0 < min(caps) <= need / TASK_TEMP_FRACTION)):
+    opts["task_temp"] = None
+    return opts
+  convs = prog_opts.get("canonical_convs")
+  opts["task_temp"] = node_calls.planner_task_temp(
+    canonical_convs=mesh.devices.flat[0].platform == "cpu" if convs is None else bool(convs),
+    branch_remat=prog_opts.get("branch_remat", "none"), remat=tuple(remat),
+    sparse_lookups=prog_opts.get("sparse_lookups", True))
+  return opts
 
 
 def program_bytes(prog: Any) -> int:

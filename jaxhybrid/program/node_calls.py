@@ -293,3 +293,23 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
     t_b = temp(b_task, free, saved, outs, zero_cts())
   shared[key] = (t_f, t_b)
   return shared[key]
+
+
+def planner_task_temp(*, canonical_convs: bool, branch_remat: str, remat: Sequence[str] = (),
+                      sparse_lookups: bool = True) -> Callable[[Any, Any], tuple[int, int]]:
+  """(graph, node) -> `task_temp_bytes` of the node as a program with these replay options would
+  run it (`PlannerOptions.task_temp`): the planner is given them before there is a program."""
+  made: dict[int, tuple[Any, NodeCalls, dict[Any, Any]]] = {}
+
+  def temp(graph: Any, node: Any) -> tuple[int, int]:
+    if id(graph) not in made:
+      ids = {n.name: n.id for n in graph.nodes}
+      nodes = (frozenset(range(len(graph.nodes))) if branch_remat == "full"
+               else frozenset(ids[r] for r in remat if r in ids))
+      calls = NodeCalls(graph=graph, canonical_convs=canonical_convs, branch_remat=branch_remat,
+                        remat=nodes, sparse_lookups=sparse_lookups)
+      made[id(graph)] = (graph, calls, dict(zip(graph.jaxpr.constvars, graph.closed_jaxpr.consts)))
+    _, calls, consts = made[id(graph)]
+    return task_temp_bytes(calls, node.id, consts)
+
+  return temp

@@ -13,20 +13,12 @@ import numpy as np
 # Dtype of the values of hand-built problems (one per edge).
 DEFAULT_VALUE_DTYPE = "float32"
 
-def copied_param_bytes(graph: Any, nodes: Sequence[Any]) -> list[int]:
-  """Per node, its parameter bytes less the tables it reads only by row lookups
-  (`OpGraph.copied_param_bytes`); a graph without that method: all of them."""
-  per_node = getattr(graph, "copied_param_bytes", None)
-  if per_node is None:
-    return [int(n.param_bytes) for n in nodes]
-  return [int(per_node(n)) for n in nodes]
-
-
 def gradient_row_split(
   graph: Any, nodes: Sequence[Any], slot_min_bytes: int | None, one_window: bool,
-) -> tuple[list[int], list[int]]:
-  """Per node, (bytes its tasks copy out of the device's rows, bytes whose gradient needs no
-  accumulator row), as the program lays the parameters out (`jaxhybrid.program.structure`):
+) -> tuple[list[int], list[int], list[int]]:
+  """Per node, (parameter bytes its gradient task returns as windows: all but the tables it
+  reads by row lookups, bytes its tasks copy out of the device's rows, bytes whose gradient
+  needs no accumulator row), as the program lays the parameters out (`program.structure`):
 
   - a leaf of `slot_min_bytes` or more has a row of its own and is read in place; a smaller one
     lies in the packed row and a task reading it whole copies it out (`program.memory.
@@ -36,11 +28,12 @@ def gradient_row_split(
     step: that window is the gradient, with no accumulator row (`program.gradients.
     single_window_rows`).
 
-  A graph that does not say which leaves its nodes read: every parameter byte a copy (the
-  `copied_param_bytes` figure) and none without a row."""
+  A graph that does not say which leaves its nodes read: every parameter byte a window and a
+  copy, and none without a row."""
   reads_of = getattr(graph, "param_reads", None)
   if reads_of is None:
-    return copied_param_bytes(graph, nodes), [0] * len(nodes)
+    every = [int(n.param_bytes) for n in nodes]
+    return every, list(every), [0] * len(nodes)
   reads = [reads_of(n) for n in nodes]
   readers: dict[int, int] = {}
   for r in reads:
@@ -49,8 +42,9 @@ def gradient_row_split(
   split = {name for s in getattr(graph, "batch_splits", ()) or ()
            for name in (s.node, *s.piece_nodes, *s.param_nodes)}
   slot = float("inf") if slot_min_bytes is None else slot_min_bytes
-  copies, single = [], []
+  windows, copies, single = [], [], []
   for n, r in zip(nodes, reads):
+    windows.append(sum(b for _, b, looked_up in r if not looked_up))
     c = w = 0
     for leaf, b, looked_up in r:
       if looked_up or readers[leaf] > 1:
@@ -61,7 +55,7 @@ def gradient_row_split(
         w += b
     copies.append(c)
     single.append(w)
-  return copies, single
+  return windows, copies, single
 
 
 def values(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 METHODS = ("milp", "etf", "dp", "interleaved", "single", "local")
 OBJECTIVES = ("lockstep", "makespan")
@@ -76,6 +76,11 @@ class PlannerOptions:
   # as one window, with no accumulator row (the program does so outside ZeRO: `parallelize`
   # passes False under ZeRO). False: every leaf has a gradient row (`gradient_factor`).
   single_window_gradients: bool = True
+  # (graph, node) -> bytes the node's F task and its B task need beyond their inputs and outputs
+  # while they run (XLA's temporaries; a W task is taken to need what B does). `parallelize`
+  # passes the program's compiled figure when the model's memory nears the cap
+  # (jaxhybrid.program.fit.planner_task_temp). None: not counted.
+  task_temp: Any = None
   # What a node keeps per micro-batch in flight, from its forward to its backward: 'saved' =
   # its outputs plus the residuals its pullback holds, traced from the node's jaxpr
   # (`OpGraph.saved_bytes`; an LSTM layer keeps every step's gates, ~100x its output);
@@ -234,6 +239,9 @@ class PlannerOptions:
     if self.slot_min_bytes is not None and not (
         isinstance(self.slot_min_bytes, int) and self.slot_min_bytes >= 0):
       raise ValueError(f"slot_min_bytes={self.slot_min_bytes!r}: use bytes >= 0, or None.")
+    if self.task_temp is not None and not callable(self.task_temp):
+      raise ValueError(f"task_temp={self.task_temp!r}: use a function (graph, node) -> (F bytes, "
+                       "B bytes), or None.")
     if not isinstance(self.microbatches, int) or self.microbatches < 1:
       raise ValueError(f"microbatches={self.microbatches!r}: use an integer >= 1.")
     if not self.time_limit_s > 0:

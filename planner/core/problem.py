@@ -101,8 +101,7 @@ class Problem:
   # Bytes every device holds beside its static bytes and residuals while the node with the most
   # copied leaves runs a task (TASK_PARAM_COPIES x those leaves' bytes: leaves in the packed row,
   # read whole; the SPMD program allocates the largest device's on every device); 0 = not
-  # modelled. The solvers
-  # see the caps less this; `Plan.device_peak_bytes` includes it.
+  # modelled. The solvers see the caps less this; `Plan.device_peak_bytes` includes it.
   transient_bytes: int = 0
   # Parameter leaves more than one node reads: (static bytes, reader nodes) each, the static
   # bytes counted as `static_bytes` counts parameters (with gradient and optimizer state), and
@@ -118,6 +117,8 @@ class Problem:
   # parameter bytes less the tables it reads by row lookups (those return row gradients,
   # scattered into the row); () = param_bytes.
   window_bytes: tuple[int, ...] = ()
+  # Per node, (F, B) bytes its task needs beyond inputs and outputs (W: B's); () = not counted.
+  task_temp_bytes: tuple[tuple[int, int], ...] = ()
 
   def __post_init__(self):
     n = len(self.names)
@@ -130,10 +131,9 @@ class Problem:
       object.__setattr__(self, "value_bytes", tuple(int(b) for b in self.edge_bytes))
       object.__setattr__(self, "value_dtypes", (DEFAULT_VALUE_DTYPE,) * len(self.edges))
       object.__setattr__(self, "edge_values", tuple((e,) for e in range(len(self.edges))))
-    if self.window_bytes and len(self.window_bytes) != n:
-      raise ValueError(f"Problem.window_bytes has {len(self.window_bytes)} entries for {n} nodes.")
-    if self.param_bytes and len(self.param_bytes) != n:
-      raise ValueError(f"Problem.param_bytes has {len(self.param_bytes)} entries for {n} nodes.")
+    for field in ("window_bytes", "param_bytes", "task_temp_bytes"):
+      if getattr(self, field) and len(getattr(self, field)) != n:
+        raise ValueError(f"Problem.{field} has {len(getattr(self, field))} entries for {n} nodes.")
     if self.weight_grad_task_s and (len(self.weight_grad_task_s) != n
                                     or any(w < 0 for w in self.weight_grad_task_s)):
       raise ValueError(f"Problem.weight_grad_task_s needs {n} times >= 0.")
@@ -267,6 +267,7 @@ class Problem:
     keep = [e for e, (s, d) in enumerate(self.edges) if s in index and d in index]
     used = sorted({v for e in keep for v in self.edge_values[e]})
     vindex = {v: r for r, v in enumerate(used)}
+    pick = lambda xs: tuple(xs[v] for v in nodes) if xs else ()  # noqa: E731
     return dataclasses.replace(
       self,
       names=tuple(self.names[v] for v in nodes),
@@ -278,10 +279,8 @@ class Problem:
       transfer_s=tuple(self.transfer_s[e] for e in keep),
       forward_s=tuple(self.forward_s[v] for v in nodes),
       input_grad_s=tuple(self.input_grad_s[v] for v in nodes),
-      param_bytes=tuple(self.param_bytes[v] for v in nodes) if self.param_bytes else (),
-      window_bytes=tuple(self.window_bytes[v] for v in nodes) if self.window_bytes else (),
-      weight_grad_task_s=(tuple(self.weight_grad_task_s[v] for v in nodes)
-                          if self.weight_grad_task_s else ()),
+      param_bytes=pick(self.param_bytes), window_bytes=pick(self.window_bytes),
+      weight_grad_task_s=pick(self.weight_grad_task_s), task_temp_bytes=pick(self.task_temp_bytes),
       value_bytes=tuple(self.value_bytes[v] for v in used),
       value_dtypes=tuple(self.value_dtypes[v] for v in used),
       edge_values=tuple(tuple(vindex[v] for v in self.edge_values[e]) for e in keep),
@@ -461,8 +460,7 @@ class Problem:
                         / probe for b in range(M)) for a in range(M))
     hw = getattr(costs, "hardware", None) or link
     shared = graph_reads.shared_params(graph, nodes)
-    copied = graph_reads.copied_param_bytes(graph, nodes)
-    copies, single = graph_reads.gradient_row_split(graph, nodes, options.slot_min_bytes,
+    copied, copies, single = graph_reads.gradient_row_split(graph, nodes, options.slot_min_bytes,
       options.single_window_gradients and options.microbatches == 1)
     own = [int(n.param_bytes) for n in nodes]
     for b, readers in shared:
@@ -497,4 +495,6 @@ class Problem:
       param_bytes=tuple(int(n.param_bytes) for n in nodes),
       transient_bytes=TASK_PARAM_COPIES * max(copies, default=0),
       window_bytes=tuple(copied),
+      task_temp_bytes=tuple(tuple(int(b) for b in options.task_temp(graph, n)) for n in nodes)
+      if options.task_temp is not None else (),
     )

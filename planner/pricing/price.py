@@ -244,7 +244,8 @@ def group_peak_bytes(
   - inside the group's branch: the residuals of the device's F tasks released in the same group,
     at their peak over the device's order;
   - the gradient windows the group returns: the parameter bytes its gradient tasks write as
-    windows (`window_bytes`, else `param_bytes`; once per gradient unit), the largest device's.
+    windows (`window_bytes`, else `param_bytes`; once per gradient unit), the largest device's;
+  - while a task runs, its own temporaries (`task_temp_bytes`) beside what its branch holds.
   """
   groups = groups_of(problem, assignment, schedule)
   group_of = {op: g for g, tasks in enumerate(groups) for _, op in tasks}
@@ -287,7 +288,7 @@ def group_peak_bytes(
             if last > g and problem.has_cotangent(e):
               leaving.setdefault((g, assignment[p_]), []).append(
                 (problem.edge_value_bytes(e, True), last))
-        peak = max(peak, alive)
+        peak = max(peak, alive + task_temp(problem, op))
         if params and lockstep_rule.is_grad_task(op, schedule.split):
           grads[units[n]] = grads.get(units[n], 0) + params[n]
         if op.kind == release and group_of[Op("F", n, c)] == g:
@@ -307,17 +308,26 @@ def group_peak_bytes(
   return [float(h) + i + w for h, i, w in zip(held, inner, windows)]
 
 
+def task_temp(problem: Problem, op: Op) -> float:
+  """Bytes task `op` needs beyond its inputs and outputs while it runs (`Problem.
+  task_temp_bytes`: F's, or B's for a B or W task; 0 when not counted)."""
+  if not problem.task_temp_bytes:
+    return 0.0
+  return float(problem.task_temp_bytes[op.node][0 if op.kind == "F" else 1])
+
+
 def peak_memory_bytes(
   problem: Problem, assignment: Sequence[int], schedule: TaskSchedule
 ) -> list[float]:
   """Per device, the same figure on every device: the longest device's static bytes + the
-  larger of the largest peak of `memory_profile` over a device's order and, on several devices,
-  the largest `group_peak_bytes` (module docstring). On one device the program's groups are not
+  larger of the largest peak of `memory_profile` (plus the running task's `task_temp`) over a
+  device's order and, on several devices, the largest `group_peak_bytes` (module docstring). On one device the program's groups are not
   conditionals: a group buffer dies at its last read, as the residual profile counts it. A
   schedule that cannot run in lock step is priced by the profile alone."""
   row = max(device_static_bytes(problem, assignment), default=0.0)
-  live = max((max(memory_profile(problem.activation_bytes, ops, schedule.split), default=0.0)
-              for ops in schedule.devices), default=0.0)
+  live = max((max((r + task_temp(problem, op) for r, op in zip(
+    memory_profile(problem.activation_bytes, ops, schedule.split), ops)), default=0.0)
+    for ops in schedule.devices), default=0.0)
   if problem.devices > 1:
     try:
       live = max(live, max(group_peak_bytes(problem, assignment, schedule), default=0.0))
