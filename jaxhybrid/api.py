@@ -323,7 +323,7 @@ def parallelize(
 
   # Shard options: large leaves split into one piece per model device, each piece a node the
   # planner places (`jaxhybrid.graph.shard`); a given plan brings the split it was made for.
-  g_traced = g_leaves = g
+  g_traced = g
   skipped: tuple[tuple[str, str], ...] = ()
 
   def apply_splits(g_: graph_lib.OpGraph, plan_: Any) -> graph_lib.OpGraph:
@@ -338,7 +338,7 @@ def parallelize(
       k: v for k, v in (planner_options or {}).items()
       if k in ("shard_rules", "shard_min_fraction", "batch_split_min_fraction",
                "batch_split_params")})
-    g, g_leaves, skipped = offer_lib.offer_splits(
+    g, skipped = offer_lib.offer_splits(
       g, model_ax, micro, small_trace, shard_rules=popts.shard_rules,
       shard_min_fraction=popts.shard_min_fraction, batch_split_params=popts.batch_split_params,
       batch_split_min_fraction=popts.batch_split_min_fraction)
@@ -351,8 +351,8 @@ def parallelize(
   def planned(opts: dict[str, Any]) -> tuple[graph_lib.OpGraph, Any, PlanCheck | None]:
     g_ = g
     if g_.shards or g_.batch_splits:
-      plan_, g_ = planner_lib.place_shard_or_whole(
-        g_, g_traced, c, model_ax, recut=lambda s: shard_lib.apply(g_leaves, model_ax, s), **opts)
+      plan_, sharded = planner_lib.place_shard_or_whole(g_, g_traced, c, model_ax, **opts)
+      g_ = g_ if sharded else g_traced
     else:
       plan_ = planner_lib.place(g_, c, devices=model_ax, **opts)
     plan_, check_ = _check_plan(g_, plan_, c, model_ax, microbatches, prog_opts, fall_back=True)

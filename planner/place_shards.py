@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions, as_options
+from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.output.plan import Plan
-from jaxhybrid.planner.pricing import price
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +62,13 @@ def keeps_sharded(sharded: Plan, whole: Plan, tolerance: float | None = None,
           and _peak(sharded) < _peak(whole) * (1 - saving))
 
 
-def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int,
-                         recut: Callable[[list[dict]], Any] | None = None,
-                         **opts: Any) -> tuple[Plan, Any]:
+def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts: Any) -> tuple[Plan, bool]:
   """Plans the graph with shard options and the graph with every leaf whole, each in half the
   time limit, and keeps the sharded plan (with its graph) as `keeps_sharded` says: faster by more
   than `spread_tolerance`, or at most that much slower with `shard_min_memory_saving` less memory
-  per device. Sharding must earn its place: the larger problem's search can end above the
-  placement-only optimum. A problem only the sharded graph fits is planned sharded. Given
-  `recut` (leaf shards' JSON with new bounds -> the graph split so), a kept sharded plan's
-  pieces are then resized to even out the devices' rows (`rebalance`).
-  Returns (plan, the graph it is for: `g`, `g_whole` or a re-cut `g`)."""
+  per device. Sharding must earn its place: the
+  larger problem's search can end above the placement-only optimum. A problem only the sharded
+  graph fits is planned sharded. Returns (plan, whether it is the sharded graph's)."""
   from jaxhybrid import planner  # through the package, as callers (and tests) see `place`
 
   place = planner.place
@@ -92,19 +86,19 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int,
   except InfeasibleError:
     if whole is None:
       raise
-    return whole, g_whole
+    return whole, False
+  if whole is None:
+    return sharded, True
   chosen = PlannerOptions().replace(
     **{k: v for k, v in opts.items() if k in ("spread_tolerance", "shard_min_memory_saving")})
   tol, saving = chosen.spread_tolerance, chosen.shard_min_memory_saving
-  if whole is None:
-    return rebalance(g, sharded, recut, costs, devices, tol, **half)
   low = lower_memory(g, costs, devices, sharded, tol, **half)
   if (keeps_sharded(sharded, whole, tol, graph=g, min_saving=saving)
       or keeps_sharded(low, whole, tol, graph=g, min_saving=saving)):
-    return rebalance(g, low, recut, costs, devices, tol, **half)
+    return low, True
   log.info("shard options priced %.4g s, every leaf whole %.4g s: keeping every leaf whole",
            _step_price(sharded), _step_price(whole))
-  return whole, g_whole
+  return whole, False
 
 
 # Assumption: a plan whose per-device peak is within this fraction of its balanced figure (every
@@ -174,13 +168,8 @@ def lower_memory(g: Any, costs: Any, devices: int, plan: Plan, tolerance: float,
              cap / 2**30, _peak(got) / 2**30, _step_price(got), limit)
     if _step_price(got) <= limit and _lower(got, best):
       best = got
-  return plan if best is plan else _as_asked(best, plan, opts)
-
-
-def _as_asked(best: Plan, plan: Plan, opts: dict[str, Any]) -> Plan:
-  """`best`, found under caps lower than `plan`'s, with `plan`'s caps and the lower of the two
-  bounds (a bound proven under lower caps does not hold without them), its gap and status
-  from those."""
+  if best is plan:
+    return plan
   gap_tol = opts.get("gap", PlannerOptions().gap)
   lower = min(best.lower_bound_s, plan.lower_bound_s)
   gap = max(0.0, (best.fused_makespan_s - lower) / best.fused_makespan_s) if best.fused_makespan_s else 0.0
@@ -189,93 +178,3 @@ def _as_asked(best: Plan, plan: Plan, opts: dict[str, Any]) -> Plan:
     lockstep_bound_s=min(best.lockstep_bound_s, plan.lockstep_bound_s),
     status=best.status if best.status not in ("optimal", "feasible")
     else ("optimal" if gap <= gap_tol + 1e-9 else "feasible"))
-
-
-# Assumption: a kept sharded plan's pieces are resized only when its fullest device holds this
-# fraction more than the mean (`Plan.device_memory`); below it a re-plan cannot save much.
-REBALANCE_ABOVE = 0.02
-
-
-def piece_bounds(plan: Plan, graph: Any, node_bytes: Sequence[float],
-                 held: Sequence[float]) -> list[dict] | None:
-  """`graph`'s leaf shards (JSON) with new piece bounds that even out the static bytes each
-  device holds under `plan` (`held`; `node_bytes`: each node's, in the plan's node order), or
-  None when no leaf has its pieces on every device or the devices are already even.
-
-  Each leaf whose M pieces lie on M devices gives every device d the same share f_d of its rows
-  (a piece's bytes taken as proportional to its rows). The shares are water-filled: every
-  device ends at one level, except those already above it with the pieces taken away, which
-  keep one row per piece. Static bytes, not activations: every device allocates the fullest
-  device's rows (paper BigLSTM 1x4 kept the two vocabulary tables' pieces equal while two
-  devices also held an LSTM layer), while a group's buffers are as long as its largest
-  device's part whatever the rows."""
-  M = plan.devices
-  where = dict(zip(plan.node_names, plan.assignment))
-  mem = dict(zip(plan.node_names, node_bytes))
-  spread = [s for s in graph.shards
-            if all(n in where for n in s.shard_nodes)
-            and len({where[n] for n in s.shard_nodes}) == M == len(s.shard_nodes)]
-  if not spread or max(held) <= (1 + REBALANCE_ABOVE) * sum(held) / M:
-    return None
-  pieces = sum(mem[n] for s in spread for n in s.shard_nodes)
-  other = list(held)
-  for s in spread:
-    for n in s.shard_nodes:
-      other[where[n]] -= mem[n]
-  free = set(range(M))
-  while True:
-    level = (sum(other[d] for d in free) + pieces) / len(free)
-    above = {d for d in free if other[d] >= level}
-    if not above:
-      break
-    free -= above
-  share = [(level - other[d]) / pieces if d in free else 0.0 for d in range(M)]
-  out, changed = [], False
-  for s in graph.shards:
-    if s not in spread:
-      out.append(s.to_json())
-      continue
-    size = s.bounds[-1]
-    rows = [max(1, int(share[where[n]] * size)) for n in s.shard_nodes]
-    biggest = max(range(M), key=rows.__getitem__)
-    rows[biggest] += size - sum(rows)
-    if rows[biggest] < 1:
-      return None
-    bounds = [0]
-    for r in rows:
-      bounds.append(bounds[-1] + r)
-    changed |= tuple(bounds) != tuple(s.bounds)
-    out.append(dict(s.to_json(), bounds=bounds))
-  return out if changed else None
-
-
-def rebalance(g: Any, plan: Plan, recut: Callable[[list[dict]], Any] | None, costs: Any,
-              devices: int, tolerance: float, **opts: Any) -> tuple[Plan, Any]:
-  """(`plan`, `g`), or `g` re-cut at `piece_bounds` and re-planned from `plan`'s placement under
-  caps just below its peak, when that plan holds less memory (`_lower`) priced at most
-  `tolerance` above `plan`."""
-  if recut is None or devices < 2 or not getattr(g, "shards", ()):
-    return plan, g
-  from jaxhybrid import planner  # through the package, as callers (and tests) see `place`
-
-  problem = planner.Problem.from_graph(g, costs, as_options(None, {"devices": devices, **opts}))
-  shards = piece_bounds(plan, g, problem.static_bytes,
-                        price.device_static_bytes(problem, plan.assignment))
-  if shards is None:
-    return plan, g
-
-  cap = _peak(plan) * (1 - SAME_PEAK)
-  caps = tuple(min(c, cap) for c in (plan.memory_caps_bytes or (cap,) * devices))
-  try:
-    g2 = recut(shards)
-    got = planner.place(g2, costs, devices=devices, **dict(
-      opts, memory_caps_bytes=caps,
-      seed_assignments=tuple(opts.get("seed_assignments", ())) + (tuple(plan.assignment),)))
-  except InfeasibleError as e:
-    log.info("pieces re-cut: no plan under %.4g GiB per device (%s)", cap / 2**30, str(e)[:120])
-    return plan, g
-  log.info("pieces re-cut to even the rows: %.4g -> %.4g GiB per device, %.4g -> %.4g s",
-           _peak(plan) / 2**30, _peak(got) / 2**30, _step_price(plan), _step_price(got))
-  if _step_price(got) <= _step_price(plan) * (1 + tolerance) and _lower(got, plan):
-    return _as_asked(got, plan, opts), g2
-  return plan, g

@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -484,3 +485,19 @@ def test_auto_flush_is_resolved_once_and_keys_the_cache(tmp_path, monkeypatch):
   assert cm._timing_key() == f"|flush={3 << 20}"
   with pytest.raises(ValueError, match="'auto'"):
     costs.ProfiledCostModel(_mlp_graph(), cache_dir=tmp_path, flush_bytes="cold")
+
+
+def test_link_fit_weighs_every_size_by_its_relative_error():
+  """`fit_link` recovers an exact line, and a large message 10 % slow moves the fitted latency
+  by less than an unweighted fit moves it (the small messages pin it)."""
+  sent = np.array(calibrate.DEFAULT_SIZES, np.float64)
+  alpha, spb = 1e-3, 1 / 5e9
+  exact = alpha + sent * spb
+  got = calibrate.fit_link(sent, exact)
+  assert got == pytest.approx((alpha, spb), rel=1e-9)
+  slow = exact.copy()
+  slow[-1] *= 1.10
+  weighted = calibrate.fit_link(sent, slow)[0]
+  plain = np.polyfit(sent, slow, 1)[1]
+  assert abs(weighted - alpha) < abs(plain - alpha)
+  assert abs(weighted / alpha - 1) < 0.05

@@ -314,39 +314,3 @@ def test_lower_memory_keeps_the_faster_of_plans_with_the_same_peak(monkeypatch):
   got = planner.place_shards.lower_memory(None, None, 2, plan, 0.02)
   assert 14.9 / 15.1 > 1 - planner.place_shards.SAME_PEAK
   assert got.assignment == (1, 0) and got.predicted_step_s == 0.98
-
-
-def test_piece_bounds_water_fill_the_devices_rows():
-  """`place_shards.piece_bounds` by hand: three devices, two leaves split in three pieces one
-  per device (10 and 100 bytes each), a 400-byte node on device 0 and a 30-byte one on device
-  1 (static bytes). Device 0 is above the level with no pieces at all (one row each), devices 1
-  and 2 end even at (30 + 330) / 2 = 180 bytes: shares 150/330 and 180/330 of each leaf's rows."""
-  import types
-
-  from jaxhybrid.graph.shard import LeafShard
-  from jaxhybrid.planner import place_shards
-
-  def bounds(where: dict[str, int], mem: dict[str, float], graph):
-    held = [0.0] * 3
-    for n, d in where.items():
-      held[d] += mem[n]
-    plan = types.SimpleNamespace(devices=3, node_names=tuple(where),
-                                 assignment=tuple(where.values()))
-    return place_shards.piece_bounds(plan, graph, [mem[n] for n in where], held)
-
-  leaves = [LeafShard(leaf=i, path=p, rule="lookup", axis=0, bounds=(0, s // 3, 2 * s // 3, s),
-                      node=p, shard_nodes=tuple(f"{p}/shard{d}" for d in range(3)))
-            for i, (p, s) in enumerate([("a", 30), ("b", 300)])]
-  graph = types.SimpleNamespace(shards=leaves)
-  where = {"a/shard0": 0, "a/shard1": 1, "a/shard2": 2, "b/shard0": 0, "b/shard1": 1,
-           "b/shard2": 2, "x": 0, "y": 1}
-  mem = {"a/shard0": 10, "a/shard1": 10, "a/shard2": 10, "b/shard0": 100, "b/shard1": 100,
-         "b/shard2": 100, "x": 400, "y": 30}
-  got = bounds(where, mem, graph)
-  assert [s["bounds"] for s in got] == [[0, 1, 14, 30], [0, 1, 137, 300]]
-  assert [s["path"] for s in got] == ["a", "b"]
-  # Already even within REBALANCE_ABOVE: nothing to re-cut.
-  assert bounds(where, dict(mem, x=0, y=0), graph) is None
-  # A leaf whose pieces share a device is left as it is; with no other leaf, nothing to re-cut.
-  one = types.SimpleNamespace(shards=leaves[:1])
-  assert bounds(dict(where, **{"a/shard2": 1}), mem, one) is None

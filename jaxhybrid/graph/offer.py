@@ -19,9 +19,8 @@ def offer_splits(
   g: OpGraph, devices: int, micro: int, small_trace: Callable[[], Any], *,
   shard_rules: Sequence[str], shard_min_fraction: float, batch_split_min_fraction: float,
   batch_split_params: str,
-) -> tuple[OpGraph, OpGraph, tuple[tuple[str, str], ...]]:
-  """Returns (the graph with every split offered, the same before its leaves were split: what
-  `shard.apply` re-cuts the pieces of, the leaves not split with why).
+) -> tuple[OpGraph, tuple[tuple[str, str], ...]]:
+  """Returns (the graph with every split offered, the leaves not split with why).
 
   `micro`: rows per micro-batch; `small_trace()`: the loss traced at 1/`devices` of them (for
   the splits by rows)."""
@@ -34,7 +33,6 @@ def offer_splits(
         g, small_trace(), devices, min_fraction=batch_split_min_fraction,
         params=batch_split_params,
         skip=batch_lib.leaf_rule_nodes(g, devices, shard_rules, shard_min_fraction))
-  before = g
   g, report = shard_lib.shard_leaves(g, devices, rules=tuple(r for r in shard_rules if r != "batch"),
                                      min_fraction=shard_min_fraction)
   pieces = {name for x in g.batch_splits for name in x.piece_nodes}
@@ -47,4 +45,4 @@ def offer_splits(
              for path in read_by(pieces)}
   why_not |= {path: "a slice of a leaf its node's batch split stores split"
               for path in read_by(holders)}
-  return g, before, tuple((path, why_not.get(path, why)) for path, why in report.skipped)
+  return g, tuple((path, why_not.get(path, why)) for path, why in report.skipped)

@@ -99,11 +99,9 @@ class ShardReport:
 
 
 def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str], path: str,
-                  want_axis: int | None = None, want_bounds: Sequence[int] | None = None,
-                  ) -> tuple[OpGraph, LeafShard] | str:
+                  want_axis: int | None = None) -> tuple[OpGraph, LeafShard] | str:
   """The graph with one leaf split, or the reason it cannot be. `want_axis`: a lookup-only leaf
-  split along its rows (0) rather than its features (a plan made before the feature split).
-  `want_bounds`: the pieces' offsets along the split axis (default: equal pieces)."""
+  split along its rows (0) rather than its features (a plan made before the feature split)."""
   owners = [n for n in g.nodes if any(v is leaf_var for e in n.eqns for v in e.invars)]
   if len(owners) != 1:
     return f"read by {len(owners)} nodes"
@@ -144,12 +142,6 @@ def _rewrite_leaf(g: OpGraph, leaf_var: Any, devices: int, rules: Sequence[str],
     return f"dimension {axis} ({size}) is shorter than the {devices} devices"
   rule_name = "+".join(sorted({r for r, _ in kinds}))
   bounds = rules_lib.split_bounds(size, devices)
-  if want_bounds is not None:
-    bounds = tuple(int(b) for b in want_bounds)
-    if (len(bounds) != devices + 1 or bounds[0] != 0 or bounds[-1] != size
-        or any(a >= b for a, b in zip(bounds, bounds[1:]))):
-      raise ValueError(f"bounds {list(bounds)} for {path} (dimension {axis} of {size}) on "
-                       f"{devices} devices: give {devices + 1} increasing offsets from 0 to {size}")
   reader_set = set(readers)
 
   # pre: the node's equations the readers depend on (besides the leaf).
@@ -305,7 +297,6 @@ def shard_leaves(
   min_fraction: float = SHARD_MIN_FRACTION,
   leaves: Sequence[str] | None = None,
   axes: Sequence[int] | None = None,
-  bounds: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[OpGraph, ShardReport]:
   """Offers shard options: every parameter leaf of at least `min_fraction` of the parameter
   bytes (or exactly the leaves whose paths are in `leaves`) that a rule applies to is split into
@@ -313,8 +304,7 @@ def shard_leaves(
   `devices` < 2, no rule, or no leaf that qualifies, the graph is returned unchanged.
 
   `axes` (with `leaves`): the axis a plan split each of those leaves along; a lookup-only leaf
-  given 0 keeps the row split plans saved before the feature split used. `bounds` (with
-  `leaves`): each leaf's piece offsets along that axis (None: equal pieces).
+  given 0 keeps the row split plans saved before the feature split used.
 
   Raises:
     ValueError: an unknown rule, a bad fraction, or a leaf named in `leaves` that cannot be split.
@@ -345,12 +335,10 @@ def shard_leaves(
   paths = list(g.param_paths)
   for i in order:
     v, path = param_vars[i], paths[i]
-    want = cut = None
+    want = None
     if axes is not None and leaves is not None:
       want = int(axes[list(leaves).index(path)])
-    if bounds is not None and leaves is not None:
-      cut = bounds[list(leaves).index(path)]
-    got = _rewrite_leaf(g, v, devices, rules, path, want, cut)
+    got = _rewrite_leaf(g, v, devices, rules, path, want)
     if isinstance(got, str):
       if leaves is not None:
         raise ValueError(f"cannot shard parameter {path}: {got}")
@@ -368,8 +356,7 @@ def apply(g: OpGraph, devices: int, shards: Sequence[LeafShard | dict]) -> OpGra
   if not shards:
     return g
   shards = [s if isinstance(s, LeafShard) else LeafShard.from_json(s) for s in shards]
-  got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards], axes=[s.axis for s in shards],
-                        bounds=[s.bounds for s in shards])
+  got, _ = shard_leaves(g, devices, leaves=[s.path for s in shards], axes=[s.axis for s in shards])
   want = [(s.path, s.axis, tuple(s.bounds)) for s in shards]
   have = [(s.path, s.axis, tuple(s.bounds)) for s in got.shards]
   if want != have:
