@@ -22,7 +22,7 @@ def role_calibrate(work: pathlib.Path) -> None:
   from jaxhybrid.program import localcluster, lockstep
 
   localcluster.worker_init()
-  link = calibrate.calibrate_link(jax.devices(), repeats=LINK_REPEATS, min_time_s=LINK_MIN_TIME_S)
+  link = calibrate.calibrate_link(jax.devices(), repeats=LINK_REPEATS)
   pc = lockstep.measure_pass_costs(optax.adam(1e-4))
   if jax.process_index() == 0:
     (work / "calibration_measured.json").write_text(json.dumps({
@@ -35,10 +35,10 @@ def role_calibrate(work: pathlib.Path) -> None:
 # machine (or a changed measurement: bump `version`) measures its own. The workers' malloc
 # setting (localcluster's huge pages: it moves the per-byte passes through page faults) is added
 # to it.
-# Timed ppermutes per message size, and the least time each size is timed for (its median then
-# covers more than a moment of the other process's scheduling).
-LINK_REPEATS = 9
-LINK_MIN_TIME_S = 0.25
+# Timed ppermutes per message size (a count, the same in both processes: each call is a
+# collective; at 1-3 ms a call, 31 calls cover a tenth of a second of the other process's
+# scheduling).
+LINK_REPEATS = 31
 CALIBRATION_SETUP = {"bench": "bench_mp", "version": 2, "processes": 2,
                      "pinning": "one core per process", "collectives": "gloo", "backend": "cpu",
                      "optimizer": "adam(1e-4)", "pass_bytes": 32 << 20,
@@ -59,9 +59,8 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
     dict(os.environ)).get("GLIBC_TUNABLES", "")}
   cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
                                              calibration_cache.machine_fields(backend=False))
-  how = (f"ring ppermute of 1 KiB-4 MiB (every factor of 4, median of >= {LINK_REPEATS} runs and "
-         f">= {LINK_MIN_TIME_S} s per size) fitted alpha + n / bandwidth by relative least "
-         "squares; adam update, addition and fill of a 32 MiB float32 buffer, both processes at "
+  how = (f"ring ppermute of 1 KiB-4 MiB (every factor of 4, median of {LINK_REPEATS} runs per "
+         "size) fitted alpha + n / bandwidth by relative least squares; adam update, addition and fill of a 32 MiB float32 buffer, both processes at "
          "once")
 
   def measure() -> dict:

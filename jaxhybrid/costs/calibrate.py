@@ -50,7 +50,6 @@ def calibrate_link(
   sizes: Sequence[int] = DEFAULT_SIZES,
   warmup: int = 2,
   repeats: int = 5,
-  min_time_s: float = 0.0,
 ) -> links.Link:
   """Fits `alpha + n / bandwidth` to timed ring `ppermute`s along one mesh axis.
 
@@ -63,9 +62,9 @@ def calibrate_link(
     axis: the mesh axis along which messages move.
     sizes: message sizes in bytes per device (at least two distinct).
     warmup: untimed runs per size (the first compiles).
-    repeats: timed runs per size; the median is kept.
-    min_time_s: keep timing each size until its runs add up to this many seconds (more runs
-      of the small messages, whose medians the latency rests on).
+    repeats: timed runs per size; the median is kept. A fixed count, not a least time: every
+      process of a multi-process job must make the same calls (collectives), and a time
+      budget ends at different counts in different processes (it deadlocked two pinned ones).
 
   Returns:
     The fitted `costs.Link`, its `source` naming the backend, device kind and sizes.
@@ -73,6 +72,34 @@ def calibrate_link(
   Raises:
     ValueError: for fewer than 2 devices on `axis`, fewer than 2 sizes, or an unknown axis.
   """
+  mesh, sizes, sent, times = ring_times(mesh_or_devices, axis=axis, sizes=sizes, warmup=warmup,
+                                        repeats=repeats)
+  intercept, slope = fit_link(sent, times)
+  if slope <= 0:
+    log.warning("ppermute times do not grow with size (%s): bandwidth fit unreliable", times)
+    slope = max(float(np.max(times)) / sent[-1], 1e-15)
+  dev = mesh.devices.flat[0]
+  link = links.Link(
+    alpha_s=max(float(intercept), 0.0),
+    bandwidth_bytes_s=float(1.0 / slope),
+    source=(
+      f"calibrate_link: ring ppermute over {mesh.shape[axis]} {dev.platform} devices "
+      f"({dev.device_kind}), "
+      f"sizes {sizes} B, median of {repeats}: times {[f'{t * 1e6:.1f}us' for t in times]}"
+    ),
+  )
+  log.info(
+    "calibrated link: alpha %.2f us, %.2f GB/s", link.alpha_s * 1e6, link.bandwidth_bytes_s / 1e9
+  )
+  return link
+
+
+def ring_times(
+  mesh_or_devices: Mesh | Sequence[jax.Device], *, axis: str = mesh_lib.MODEL,
+  sizes: Sequence[int] = DEFAULT_SIZES, warmup: int = 2, repeats: int = 5,
+) -> tuple[Mesh, list[int], list[float], list[float]]:
+  """(mesh, sorted distinct sizes, bytes each device sent, median seconds) of ring `ppermute`s
+  of each size along `axis` (`calibrate_link`'s measurement; arguments as there)."""
   if isinstance(mesh_or_devices, Mesh):
     mesh = mesh_or_devices
   else:
@@ -100,26 +127,9 @@ def calibrate_link(
         lambda b: jax.lax.ppermute(b, axis, perm), mesh=mesh, in_specs=spec, out_specs=spec
       )
     )
-    times.append(costs_lib.median_time_s(lambda: step(x), warmup=warmup, repeats=repeats,
-                                         min_time_s=min_time_s))
-  sent = np.array([max(s // 4, 1) * 4 for s in sizes], dtype=np.float64)
-  intercept, slope = fit_link(sent, times)
-  if slope <= 0:
-    log.warning("ppermute times do not grow with size (%s): bandwidth fit unreliable", times)
-    slope = max(float(np.max(times)) / sent[-1], 1e-15)
-  dev = mesh.devices.flat[0]
-  link = links.Link(
-    alpha_s=max(float(intercept), 0.0),
-    bandwidth_bytes_s=float(1.0 / slope),
-    source=(
-      f"calibrate_link: ring ppermute over {n_dev} {dev.platform} devices ({dev.device_kind}), "
-      f"sizes {sizes} B, median of {repeats}: times {[f'{t * 1e6:.1f}us' for t in times]}"
-    ),
-  )
-  log.info(
-    "calibrated link: alpha %.2f us, %.2f GB/s", link.alpha_s * 1e6, link.bandwidth_bytes_s / 1e9
-  )
-  return link
+    times.append(costs_lib.median_time_s(lambda: step(x), warmup=warmup, repeats=repeats))
+  sent = [float(max(s // 4, 1) * 4) for s in sizes]
+  return mesh, sizes, sent, times
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
