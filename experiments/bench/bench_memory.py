@@ -164,6 +164,18 @@ def _baselines(model, loss, batch, opt, m, modes=("dp", "fsdp")):
   return {mode: memory.baseline_bytes(pure, p, s, batch, opt, mesh, mode) for mode in modes}
 
 
+def _counts_temps(hy, opts, opt) -> bool:
+  """Whether `parallelize` gave this row's planner the tasks' temporaries (fit.planner_task_temp,
+  with the row's options, the V100's cap and the optimizer's state factor)."""
+  from jaxhybrid import api
+  from jaxhybrid.program import fit
+
+  costs = api.default_costs("dgx1-v100")
+  factor = api.optimizer_state_factor(opt, hy.graph)
+  got = fit.planner_task_temp(dict(opts), hy.graph, costs, factor, {}, (), hy.mesh)
+  return got.get("task_temp") is not None
+
+
 def _planned_rows(rows, skipped, out_path, slot_min_bytes):
   """Per --planned_rows entry: what a user gets from `parallelize` with its defaults (the
   planner's choice between whole and split leaves under the hardware's memory cap)."""
@@ -206,7 +218,8 @@ def _planned_rows(rows, skipped, out_path, slot_min_bytes):
                  "nodes": len(hy.graph.nodes), "plan_method": hy.plan.method,
                  "split_leaves": len(spread), "spread_leaves": sum(spread),
                  "batch_split_nodes": len(hy.graph.batch_splits),
-                 "planner_task_temp": opts.get("task_temp", "auto"), **r.to_dict(),
+                 "planner_task_temp": opts.get("task_temp", "auto"),
+                 "planner_counted_task_temps": _counts_temps(hy, opts, opt), **r.to_dict(),
                  "planner_device_peak": peaks, "planner_device_error": planner_err,
                  "predicted_step_s": hy.plan.predicted_step_s,
                  "seconds": time.perf_counter() - t0})

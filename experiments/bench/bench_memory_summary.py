@@ -67,6 +67,14 @@ def summary(rows):
   planned = [e for r in rows if "@planner" in r["model"] for e in r.get("planner_device_error", ())]
   if planned:  # the planner's per-device figure against the compiled program, every device
     out["planner_device_error_max"] = max(abs(e) for e in planned)
+  # The same over the rows whose planner was given the tasks' temporaries (`task_temp`: asked
+  # for by ':temps', or 'auto' on a model whose static bytes reach a quarter of the cap).
+  counted = [e for r in rows if "@planner" in r["model"] and (
+    r.get("planner_task_temp") == "program" or (r.get("planner_task_temp") == "auto"
+                                                and r.get("planner_counted_task_temps")))
+    for e in r.get("planner_device_error", ())]
+  if counted:
+    out["planner_device_error_max_task_temps"] = max(abs(e) for e in counted)
   for m in (1, 2):
     b = best("biglstm:paper", m)
     if b:
