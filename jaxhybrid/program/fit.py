@@ -100,9 +100,8 @@ def planner_task_temp(planner_options: dict[str, Any] | None, graph: Any, costs:
   if mode == "none" or (mode == "auto" and not (0 < min(caps) <= need / TASK_TEMP_FRACTION)):
     opts["task_temp"] = None
     return opts
-  convs = prog_opts.get("canonical_convs")
   opts["task_temp"] = node_calls.planner_task_temp(
-    canonical_convs=mesh.devices.flat[0].platform == "cpu" if convs is None else bool(convs),
+    canonical_convs=node_calls.canonical_convs_for(mesh, prog_opts.get("canonical_convs")),
     branch_remat=prog_opts.get("branch_remat", "none"), remat=tuple(remat),
     sparse_lookups=prog_opts.get("sparse_lookups", True))
   return opts

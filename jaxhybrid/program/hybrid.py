@@ -41,7 +41,7 @@ from jaxhybrid.graph import shard as shard_lib
 from jaxhybrid import noise_scale as noise_lib
 from jaxhybrid.mesh import DATA, MODEL
 from jaxhybrid.planner.core import task_schedule as sched_lib
-from jaxhybrid.program import batch_shapes, executor, gradients, param_rows
+from jaxhybrid.program import batch_shapes, executor, gradients, node_calls, param_rows
 from jaxhybrid.program.host_arrays import to_global as _global, to_host as _host
 from jaxhybrid.program import model_state as model_state_lib
 from jaxhybrid.program import tasks as tasks_lib
@@ -209,9 +209,7 @@ class HybridProgram:
     if unknown:
       raise ValueError(f"remat names unknown nodes {unknown}; known: {sorted(names)[:10]}...")
     assignment = tuple(int(a) for a in assignment)
-    canonical = (
-      mesh.devices.flat[0].platform == "cpu" if canonical_convs is None else bool(canonical_convs)
-    )
+    canonical = node_calls.canonical_convs_for(mesh, canonical_convs)
     schedule, structure, calls = executor.structure_for(
       graph, assignment, M, microbatches, schedule, order=order, forward_s=forward_s,
       branch_remat=branch_remat, remat=frozenset(names[r] for r in remat),

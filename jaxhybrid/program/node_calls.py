@@ -295,6 +295,12 @@ def task_temp_bytes(calls: NodeCalls, nid: int, consts: dict[Any, Any]) -> tuple
   return shared[key]
 
 
+def canonical_convs_for(mesh: Any, asked: bool | None) -> bool:
+  """Whether nodes replay convolutions in the canonical layout: as asked, else on CPU meshes
+  (`HybridProgram.build`'s `canonical_convs`)."""
+  return mesh.devices.flat[0].platform == "cpu" if asked is None else bool(asked)
+
+
 def planner_task_temp(*, canonical_convs: bool, branch_remat: str, remat: Sequence[str] = (),
                       sparse_lookups: bool = True) -> Callable[[Any, Any], tuple[int, int]]:
   """(graph, node) -> `task_temp_bytes` of the node as a program with these replay options would
