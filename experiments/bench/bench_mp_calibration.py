@@ -1,5 +1,6 @@
-"""bench_mp's calibration: the link between two pinned one-core processes (latency, bandwidth)
-and the per-byte update, addition and fill times, measured once per machine and setup and cached
+"""bench_mp's calibration: the link between two pinned one-core processes (latency, bandwidth),
+the per-byte update, addition and fill times and the cost of one lock-step group beyond its tasks
+and link time (`jaxhybrid.program.group_cost`), measured once per machine and setup and cached
 (`jaxhybrid.costs.calibration_cache`), then read by every model's jobs from the workdir."""
 
 from __future__ import annotations
@@ -13,22 +14,26 @@ from absl import logging
 
 
 def role_calibrate(work: pathlib.Path) -> None:
-  """Both processes: the link between them, then the per-byte passes timed on both cores at once
-  (as the program's devices update together); rank 0 writes what it measured."""
+  """Both processes: the link between them, the per-byte passes timed on both cores at once
+  (as the program's devices update together), then the per-group cost of tiny hybrid programs
+  priced with that link; rank 0 writes what it measured."""
   import jax
   import optax
 
+  from jaxhybrid import mesh as mesh_lib
   from jaxhybrid.costs import calibrate
-  from jaxhybrid.program import localcluster, lockstep
+  from jaxhybrid.program import group_cost, localcluster, lockstep
 
   localcluster.worker_init()
   link = calibrate.calibrate_link(jax.devices(), repeats=LINK_REPEATS)
   pc = lockstep.measure_pass_costs(optax.adam(1e-4))
+  groups = group_cost.measure(mesh_lib.make("1x2"), link, steps=GROUP_STEPS)
   if jax.process_index() == 0:
     (work / "calibration_measured.json").write_text(json.dumps({
       "link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
       "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
-      "fill_s_per_byte": pc.fill_s_per_byte}))
+      "fill_s_per_byte": pc.fill_s_per_byte, "group_s": groups.group_s,
+      "group_fit": groups.to_json()}))
 
 
 # How bench_mp's calibration is measured: part of its cache key, so a different setup on the same
@@ -39,7 +44,9 @@ def role_calibrate(work: pathlib.Path) -> None:
 # collective; at 1-3 ms a call, 31 calls cover a tenth of a second of the other process's
 # scheduling).
 LINK_REPEATS = 31
-CALIBRATION_SETUP = {"bench": "bench_mp", "version": 2, "processes": 2,
+# Timed steps of each tiny program of the per-group fit (a count, as LINK_REPEATS).
+GROUP_STEPS = 40
+CALIBRATION_SETUP = {"bench": "bench_mp", "version": 3, "processes": 2,
                      "pinning": "one core per process", "collectives": "gloo", "backend": "cpu",
                      "optimizer": "adam(1e-4)", "pass_bytes": 32 << 20,
                      "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -60,8 +67,10 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
   cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
                                              calibration_cache.machine_fields(backend=False))
   how = (f"ring ppermute of 1 KiB-4 MiB (every factor of 4, median of {LINK_REPEATS} runs per "
-         "size) fitted alpha + n / bandwidth by relative least squares; adam update, addition and fill of a 32 MiB float32 buffer, both processes at "
-         "once")
+         "size) fitted alpha + n / bandwidth by relative least squares; adam update, addition "
+         "and fill of a 32 MiB float32 buffer, both processes at once; per-group cost: slope of "
+         f"measured - priced step over groups of a 16-layer chain at {group_cost_blocks()} "
+         f"(median of {GROUP_STEPS} steps each)")
 
   def measure() -> dict:
     logging.info("calibrating the link and the per-byte passes on two one-core processes")
@@ -99,4 +108,16 @@ def pass_costs(work: pathlib.Path):
 
   v = calibration(work)["values"]
   return lockstep.PassCosts(update_s_per_byte=v["update_s_per_byte"],
-                            add_s_per_byte=v["add_s_per_byte"], fill_s_per_byte=v["fill_s_per_byte"])
+                            add_s_per_byte=v["add_s_per_byte"],
+                            fill_s_per_byte=v["fill_s_per_byte"], group_s=v["group_s"])
+
+
+def group_s(work: pathlib.Path) -> float:
+  """The calibrated per-group cost (s), for the planner (`PlannerOptions.group_s`)."""
+  return float(calibration(work)["values"]["group_s"])
+
+
+def group_cost_blocks() -> str:
+  from jaxhybrid.program import group_cost
+
+  return "/".join("one per node" if b <= 0 else str(b) for b in group_cost.BLOCKS) + " blocks"

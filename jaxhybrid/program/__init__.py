@@ -7,7 +7,8 @@ it predicts (`memory`, with `group_bytes`: the bytes each group keeps, and `upda
 step's tail measured), the tasks run
 in each group (`executor`), the gradient windows and flat gradient buffers (`gradients`),
 parameter rows owned per device (`param_rows`), the batch shapes a step accepts (`batch_shapes`),
-the lock-step price of a plan as the program runs it (`lockstep`), whether a plan beats one
+the lock-step price of a plan as the program runs it (`lockstep`; what a group costs
+beyond its tasks and link time, measured: `group_cost`), whether a plan beats one
 device as the program runs them (`plan_check`), the re-plans that hold a program to its memory
 cap (`fit`), and the one-core-per-device CPU cluster used to time it (`localcluster`).
 

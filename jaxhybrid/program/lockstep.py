@@ -35,6 +35,12 @@ afresh (a new buffer, first-touch page faults included, as `measure_pass_costs` 
 regions other devices need) and lanes it does not fill with exactly one value; a value as long
 as its lane is returned without a copy. An idle device's zeros cost nothing while another
 device computes.
+
+  + G * group_s
+
+(M > 1 only) G groups, each paying for the devices meeting beyond its messages' link time
+(`program.group_cost`: measured once per machine; the planner adds the same,
+`PlannerOptions.group_s`).
 """
 
 from __future__ import annotations
@@ -77,15 +83,19 @@ class LockstepTime:
   # What writing the groups' output buffers adds to the groups' times (0 without PassCosts or
   # on one device).
   fill_s: float = 0.0
+  # Groups x PassCosts.group_s: the devices meeting at each group (0 without it, or on one
+  # device).
+  group_sync_s: float = 0.0
 
   @property
   def step_s(self) -> float:
-    return self.compute_s + self.transfer_s + self.param_s + self.fill_s
+    return self.compute_s + self.transfer_s + self.param_s + self.fill_s + self.group_sync_s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PassCosts:
-  """Per-byte times of the per-step elementwise memory passes outside the nodes (s per byte)."""
+  """Measured costs of the per-step work outside the nodes' tasks and the link: per-byte times
+  of the elementwise memory passes (s per byte) and the fixed cost of a lock-step group."""
 
   # The optimizer's update plus `optax.apply_updates`.
   update_s_per_byte: float
@@ -93,6 +103,9 @@ class PassCosts:
   add_s_per_byte: float
   # Writing a buffer (a conditional branch's outputs and zeros).
   fill_s_per_byte: float = 0.0
+  # Seconds each group costs on several devices beyond its tasks and its messages' link time
+  # (the devices meeting; `program.group_cost.measure`); 0 = not counted.
+  group_s: float = 0.0
 
   def time_s(self, param_bytes: float, microbatches: int) -> float:
     return param_bytes * (self.update_s_per_byte + microbatches * self.add_s_per_byte)
@@ -255,9 +268,12 @@ def program_step_s(
     # parameter rows (padded to the largest device's share).
     layout = structure_lib.param_layout(graph, assignment, devices)
     param_s += pass_costs.fill_s_per_byte * layout.row_bytes()
+  sync = 0.0
+  if pass_costs is not None and devices > 1:
+    sync = pass_costs.group_s * len(structure.groups)
   return LockstepTime(
     compute_s=compute, transfer_s=transfer, groups=len(structure.groups), transfers=count,
-    param_s=param_s, fill_s=fill_s,
+    param_s=param_s, fill_s=fill_s, group_sync_s=sync,
   )
 
 

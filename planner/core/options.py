@@ -81,6 +81,10 @@ class PlannerOptions:
   # passes the program's compiled figure when the model's memory nears the cap
   # (jaxhybrid.program.fit.planner_task_temp). None: not counted.
   task_temp: Any = None
+  # Seconds each lock-step group costs on several devices beyond its tasks and its messages' link
+  # time (the devices meeting; measured: jaxhybrid.program.group_cost). Added to the lock-step
+  # price, as the program's price (program.lockstep.PassCosts.group_s) adds it. 0: not counted.
+  group_s: float = 0.0
   # What a node keeps per micro-batch in flight, from its forward to its backward: 'saved' =
   # its outputs plus the residuals its pullback holds, traced from the node's jaxpr
   # (`OpGraph.saved_bytes`; an LSTM layer keeps every step's gates, ~100x its output);
@@ -242,6 +246,8 @@ class PlannerOptions:
     if self.task_temp is not None and not callable(self.task_temp):
       raise ValueError(f"task_temp={self.task_temp!r}: use a function (graph, node) -> (F bytes, "
                        "B bytes), or None.")
+    if not self.group_s >= 0:
+      raise ValueError(f"group_s={self.group_s!r}: use seconds >= 0.")
     if not isinstance(self.microbatches, int) or self.microbatches < 1:
       raise ValueError(f"microbatches={self.microbatches!r}: use an integer >= 1.")
     if not self.time_limit_s > 0:

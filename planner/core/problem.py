@@ -32,10 +32,9 @@ FORWARD_SHARE = 1.0 / 3.0
 INPUT_GRAD_SHARE = 0.5
 # Copies of a node's parameters a device holds while one of its tasks runs, beside its rows and
 # residuals (`Problem.transient_bytes`): the leaves the task copies out of the packed row
-# (`graph_reads.gradient_row_split`; program.memory: `param_copies`). The gradient window a
-# gradient task returns is priced with its lock-step group (`price.group_peak_bytes`). Counted
-# twice, weights and window, the planner's figure ran 5-25 % above the compiled step on plans at
-# one micro-batch (bench_memory.json, `planner_device_error`, as of commit a91b852).
+# (`graph_reads.gradient_row_split`; program.memory: `param_copies`); the gradient window it
+# returns is priced with its group (`price.group_peak_bytes`). Counted twice, the planner's
+# figure ran 5-25 % above the compiled step at one micro-batch (bench_memory.json as of a91b852).
 TASK_PARAM_COPIES = 1
 
 
@@ -67,7 +66,6 @@ class Problem:
   fingerprint: str = ""
   cost_source: str = "manual"
   hardware: str = ""
-  # ---- F/B/W tasks (defaults keep problems built before they existed valid) ----
   # Forward seconds per node per micro-batch; () = FORWARD_SHARE * compute_s.
   forward_s: tuple[float, ...] = ()
   # Input-cotangent (B of split schedules) seconds per node; () = INPUT_GRAD_SHARE of the
@@ -119,6 +117,8 @@ class Problem:
   window_bytes: tuple[int, ...] = ()
   # Per node, (F, B) bytes its task needs beyond inputs and outputs (W: B's); () = not counted.
   task_temp_bytes: tuple[tuple[int, int], ...] = ()
+  # Seconds per lock-step group beyond tasks and link time (PlannerOptions.group_s).
+  group_s: float = 0.0
 
   def __post_init__(self):
     n = len(self.names)
@@ -200,9 +200,8 @@ class Problem:
       return self.weight_grad_s(i)
     raise ValueError(f"task kind {kind!r} (split={split}) is not F, B or W")
 
-  # Derived tables, computed once per problem (the lock-step pricer asks for them per task:
-  # ~66k dtype checks per 10 s of search on Inception-V3 paper, M=4, k=4). cached_property
-  # writes the instance's __dict__, which a frozen dataclass allows; fields and eq are unchanged.
+  # Derived tables, once per problem (the lock-step pricer asks per task: ~66k dtype checks per
+  # 10 s of search on Inception-V3 paper, M=4, k=4); cached_property writes the __dict__.
   @functools.cached_property
   def _float_values(self) -> tuple[bool, ...]:
     return tuple(dtypes.is_float(t) for t in self.value_dtypes)
@@ -304,7 +303,7 @@ class Problem:
       compute_s=scale(self.compute_s), forward_s=scale(self.forward_s),
       input_grad_s=scale(self.input_grad_s), weight_grad_task_s=scale(self.weight_grad_task_s),
       transfer_s=scale(self.transfer_s), link_latency_s=scale(self.link_latency_s),
-      link_s_per_byte=scale(self.link_s_per_byte),
+      link_s_per_byte=scale(self.link_s_per_byte), group_s=scale(self.group_s),
     )
 
   def memory_bytes(self, microbatches: int) -> tuple[float, ...]:
@@ -497,4 +496,5 @@ class Problem:
       window_bytes=tuple(copied),
       task_temp_bytes=tuple(tuple(int(b) for b in options.task_temp(graph, n)) for n in nodes)
       if options.task_temp is not None else (),
+      group_s=float(options.group_s),
     )

@@ -8,6 +8,7 @@ priced with the problem's numbers (program.lockstep.program_step_s prices the pr
 
   T = sum over groups g of  max over devices d of  sum_{tasks of d in g} t(task)
       + sum over groups g, shifts s, dtypes:  max over devices a of  link(a -> a + s, L)
+      + G * group_s  (M > 1: each of the G groups' devices meeting, `Problem.group_s`)
 
 where L is the longest device's bytes in that message (the message buffer is the union of the
 devices' parts). With no link model in the problem (hand-built problems) a message costs the
@@ -64,10 +65,12 @@ class LockstepPrice:
   # Number of groups (switches) and of messages (ppermutes).
   groups: int
   transfers: int
+  # Groups x Problem.group_s (the devices meeting at each group; 0 on one device).
+  group_sync_s: float = 0.0
 
   @property
   def step_s(self) -> float:
-    return self.compute_s + self.transfer_s
+    return self.compute_s + self.transfer_s + self.group_sync_s
 
 
 def task_reads(problem: Problem, schedule: TaskSchedule) -> dict[Op, list[Op]]:
@@ -199,8 +202,9 @@ def lockstep_price(
           worst = max(worst, sum(
             problem.direction_s(e, a, (a + shift) % M, back) for e, back in edges))
         transfer += worst
+  sync = problem.group_s * len(groups) if M > 1 else 0.0
   return LockstepPrice(compute_s=compute, transfer_s=transfer, groups=len(groups),
-                       transfers=count)
+                       transfers=count, group_sync_s=sync)
 
 
 def residual_release(op: Op, split: bool) -> bool:
