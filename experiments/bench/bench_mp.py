@@ -36,7 +36,7 @@ Results are written after each model; --budget_s bounds the whole run (models le
 spent, or whose job fails or runs past it, are listed as skipped with the reason). Quick models run
 first (Inception-V3 compiles for minutes per candidate).
 The calibration (link latency and bandwidth, per-byte update, addition and fill times, the
-per-group cost of the lock-step program beyond its tasks and link time) is
+fixed costs of a lock-step group and of a task beyond the tasks' profiles and the link) is
 measured once per machine and setup and cached (bench_mp_calibration.py,
 jaxhybrid.costs.calibration_cache; --calibration_cache, --recalibrate); the row says whether this
 run measured it or read it.
@@ -130,9 +130,10 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
   # Plan the kind the program runs ('auto': any, the plan's own schedule runs).
-  # Its lock-step price adds this machine's calibrated per-group cost, as the program's does.
+  # Its lock-step price adds this machine's calibrated per-group and per-task costs, as the
+  # program's does.
   kinds = {"schedule_kinds": ("gpipe", "1f1b", "zb", "custom") if FLAGS.schedule == "auto"
-           else (FLAGS.schedule,), "group_s": calib.group_s(work)}
+           else (FLAGS.schedule,), **calib.planner_fixed_costs(work)}
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner,
                        time_limit_s=FLAGS.time_limit, **kinds)
   plan_s, profile_s, place_s = time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1
@@ -217,7 +218,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
       "predicted_step_s": t.step_s,
       "predicted_parts_s": {"tasks": t.compute_s, "transfers": t.transfer_s,
                             "update_and_gradient_passes": t.param_s, "fills": t.fill_s,
-                            "group_sync": t.group_sync_s},
+                            "group_sync": t.group_sync_s, "task_overhead": t.task_overhead_s},
     })
   full_spec, _ = api.microbatch_spec(batch, b, b)
   g_full = graph_lib.trace_function(pure, p, s, full_spec)

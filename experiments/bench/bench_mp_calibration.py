@@ -1,6 +1,7 @@
 """bench_mp's calibration: the link between two pinned one-core processes (latency, bandwidth),
-the per-byte update, addition and fill times and the cost of one lock-step group beyond its tasks
-and link time (`jaxhybrid.program.group_cost`), measured once per machine and setup and cached
+the per-byte update, addition and fill times and the fixed costs of one lock-step group and of
+one task beyond the tasks' profiled times and the link (`jaxhybrid.program.group_cost`),
+measured once per machine and setup and cached
 (`jaxhybrid.costs.calibration_cache`), then read by every model's jobs from the workdir."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from absl import logging
 
 def role_calibrate(work: pathlib.Path) -> None:
   """Both processes: the link between them, the per-byte passes timed on both cores at once
-  (as the program's devices update together), then the per-group cost of tiny hybrid programs
-  priced with that link; rank 0 writes what it measured."""
+  (as the program's devices update together), then the per-group and per-task costs of tiny
+  hybrid programs priced with that link; rank 0 writes what it measured."""
   import jax
   import optax
 
@@ -33,7 +34,7 @@ def role_calibrate(work: pathlib.Path) -> None:
       "link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
       "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
       "fill_s_per_byte": pc.fill_s_per_byte, "group_s": groups.group_s,
-      "group_fit": groups.to_json()}))
+      "task_fixed_s": groups.task_fixed_s, "group_fit": groups.to_json()}))
 
 
 # How bench_mp's calibration is measured: part of its cache key, so a different setup on the same
@@ -46,7 +47,7 @@ def role_calibrate(work: pathlib.Path) -> None:
 LINK_REPEATS = 31
 # Timed steps of each tiny program of the per-group fit (a count, as LINK_REPEATS).
 GROUP_STEPS = 40
-CALIBRATION_SETUP = {"bench": "bench_mp", "version": 3, "processes": 2,
+CALIBRATION_SETUP = {"bench": "bench_mp", "version": 4, "processes": 2,
                      "pinning": "one core per process", "collectives": "gloo", "backend": "cpu",
                      "optimizer": "adam(1e-4)", "pass_bytes": 32 << 20,
                      "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -68,9 +69,9 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
                                              calibration_cache.machine_fields(backend=False))
   how = (f"ring ppermute of 1 KiB-4 MiB (every factor of 4, median of {LINK_REPEATS} runs per "
          "size) fitted alpha + n / bandwidth by relative least squares; adam update, addition "
-         "and fill of a 32 MiB float32 buffer, both processes at once; per-group cost: slope of "
-         f"measured - priced step over groups of a 16-layer chain at {group_cost_blocks()} "
-         f"(median of {GROUP_STEPS} steps each)")
+         "and fill of a 32 MiB float32 buffer, both processes at once; per-group and per-task "
+         "costs: least squares of measured - priced step over groups and busiest-device tasks "
+         f"of {group_cost_programs()} (median of {GROUP_STEPS} steps each)")
 
   def measure() -> dict:
     logging.info("calibrating the link and the per-byte passes on two one-core processes")
@@ -109,15 +110,19 @@ def pass_costs(work: pathlib.Path):
   v = calibration(work)["values"]
   return lockstep.PassCosts(update_s_per_byte=v["update_s_per_byte"],
                             add_s_per_byte=v["add_s_per_byte"],
-                            fill_s_per_byte=v["fill_s_per_byte"], group_s=v["group_s"])
+                            fill_s_per_byte=v["fill_s_per_byte"], group_s=v["group_s"],
+                            task_fixed_s=v["task_fixed_s"])
 
 
-def group_s(work: pathlib.Path) -> float:
-  """The calibrated per-group cost (s), for the planner (`PlannerOptions.group_s`)."""
-  return float(calibration(work)["values"]["group_s"])
+def planner_fixed_costs(work: pathlib.Path) -> dict[str, float]:
+  """The calibrated per-group and per-task costs (s) as planner options."""
+  v = calibration(work)["values"]
+  return {"group_s": float(v["group_s"]), "task_fixed_s": float(v["task_fixed_s"])}
 
 
-def group_cost_blocks() -> str:
+def group_cost_programs() -> str:
   from jaxhybrid.program import group_cost
 
-  return "/".join("one per node" if b <= 0 else str(b) for b in group_cost.BLOCKS) + " blocks"
+  blocks = "/".join("one per node" if b <= 0 else str(b) for b in group_cost.BLOCKS)
+  layers = " and ".join(str(n) for n in group_cost.LAYER_COUNTS)
+  return f"chains of {layers} 16-wide layers at {blocks} blocks"

@@ -12,8 +12,9 @@ The row (experiments/results/bench_mp.json holds one per model):
   commit measured).
 - `calibration`: where the machine's figures came from (`source`: 'measured' in this run or
   'cache'), `values` (link latency and bandwidth, per-byte update, addition and fill times,
-  `group_s` the per-group cost and `group_fit` its points: groups, messages, measured and priced
-  step of each tiny program) and `measured_at`.
+  `group_s` and `task_fixed_s` the per-group and per-task costs and `group_fit` their points:
+  groups, messages, busiest-device tasks, measured and priced step of each tiny program) and
+  `measured_at`.
 - `one_device`: the model's plain `jax.jit` step on one pinned core. `measured_step_s` timed
   alone, in the process that profiled and planned; `measured_step_s_both_busy` timed by both
   processes at once (both cores busy, as under a plan) in a pair of processes of its own, once
@@ -34,10 +35,11 @@ The row (experiments/results/bench_mp.json holds one per model):
 - `candidates`: every plan timed on mesh 1x2, best predicted first: `plan_id` (its file in the
   workdir), `method`, `sharded` (made on the graph with shard options), `schedule`, `k`,
   `groups`, `transfers`, `predicted_step_s` (the lock-step price of the program that runs:
-  groups, messages, group-output fills, optimizer update and gradient passes, the groups'
-  meeting cost; `jaxhybrid.program.lockstep.plan_step_s`) and its `predicted_parts_s` (`tasks`:
-  the busiest device's tasks summed over groups, `transfers`, `update_and_gradient_passes`,
-  `fills`, `group_sync`: groups x the calibrated per-group cost),
+  groups, messages, group-output fills, optimizer update and gradient passes, the groups' and
+  tasks' fixed costs; `jaxhybrid.program.lockstep.plan_step_s`) and its `predicted_parts_s`
+  (`tasks`: the busiest device's tasks summed over groups, `transfers`, `update_and_gradient_passes`,
+  `fills`, `group_sync`: groups x the calibrated per-group cost, `task_overhead`: what the
+  calibrated per-task cost adds to the groups' busiest devices),
   `measured_step_s`, `error`.
 - `chosen_candidate`: index of the fastest measured candidate, the run's plan; `step_s_plan`.
 - `measured_speedup` = one_device.measured_step_s / step_s_plan;

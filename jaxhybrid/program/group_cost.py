@@ -1,21 +1,28 @@
-"""What one lock-step group costs beyond its tasks and its messages' link time, measured.
+"""What a lock-step group and a task cost beyond the tasks' profiled times and the link, measured.
 
 Each group of the program (`program.tasks`) is a `lax.switch` on the model index followed by its
-`ppermute`s, which every model-axis device enters together. Besides the tasks' work and the
-link's time (`costs.calibrate.calibrate_link`: one `ppermute` per jitted call), a group pays for
-the two devices meeting: on this project's VM (two one-core processes, gloo over localhost) a
-chain of 16-wide layers placed so that its hybrid program runs 6, 15, 34 and 78 groups per step
-took 3.9, 11.9, 30.1 and 78.0 ms, about 0.9 ms a group, where its messages priced at the
-calibrated link (0.13 ms latency) came to 0.1 ms a group. Pricing groups at the link alone
-left GNMT's and Inception-V3's plans 6-29 % slower than priced, most for the plans with the most
-groups (bench_mp).
+`ppermute`s, which every model-axis device enters together; inside the branch each task reads
+its inputs from the group buffers and writes its outputs into them. Besides the tasks' work as
+profiled (each node's F and B compiled alone) and the link's time (`costs.calibrate
+.calibrate_link`: one `ppermute` per jitted call), a group pays for the devices meeting and a
+task for its place in the branch. On this project's VM (two one-core processes, gloo over
+localhost) a chain of 16-wide layers whose program ran 6, 17, 32 and 62 groups per step took
+about 0.8-1.2 ms a group beyond its messages' link time (0.13 ms each); uniform-chain plans
+whose nodes were cut in three (column pieces and their concatenation, the same placement and
+groups) ran 21 % slower than the whole-node plan where the profiles priced them equal.
 
-`measure` times such tiny programs on the mesh it is given (every process of a multi-process
-job must call it: the programs' collectives run in all of them), prices each with the same
-lock-step model and link, and `fit` takes the per-group cost as the slope of (measured - priced)
-over the group count (least squares; the intercept, the step's own fixed cost, is reported and
-not priced: a one-device step pays it too). The programs' tasks are tiny (a 16 x 16 matmul per
-node), so their price (`ZeroTaskCosts`) is zero and the intercept holds them.
+`measure` times tiny hybrid programs on the mesh it is given (every process of a multi-process
+job must call it: the programs' collectives run in all of them): chains of `LAYER_COUNTS`
+layers, each at the placements of `BLOCKS`, so that the group count and the task count vary
+apart. Each is priced with the lock-step model and the link, its tasks at 0 (`ZeroTaskCosts`:
+a 16 x 16 matmul per node), and `fit` solves
+
+  measured - priced = intercept + group_s * groups + task_fixed_s * tasks
+
+by least squares, where `tasks` is the count the price adds `task_fixed_s` for: per group, the
+busiest device's number of tasks, summed over groups. A negative slope is set to 0 and the rest
+refitted (more groups or tasks never make a step faster). The intercept, the step's own fixed
+cost, is reported and not priced.
 """
 
 from __future__ import annotations
@@ -28,25 +35,29 @@ import numpy as np
 
 from jaxhybrid import costs as costs_lib
 
-# Chain layers, width and rows per micro-batch of the programs `measure` times; micro-batches.
-LAYERS, WIDTH, ROWS, MICROBATCHES = 16, 16, 16, 4
-# Placements of the chain's nodes on two devices: alternating blocks of n // b nodes for each b
-# (2 blocks: two stages; len(nodes) blocks: every node on the other device from its neighbours).
-BLOCKS = (2, 4, 8, 0)  # 0: one block per node
+# Width and rows per micro-batch of the chains `measure` times; micro-batches; chain lengths.
+WIDTH, ROWS, MICROBATCHES = 16, 16, 4
+LAYER_COUNTS = (16, 48)
+# Placements of a chain's nodes on two devices: alternating blocks of n // b nodes for each b
+# (2 blocks: two stages; 0: one block per node, every node on the other device from its
+# neighbours).
+BLOCKS = (2, 4, 8, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupCost:
-  """Fitted per-group cost (s) and what it was fitted to."""
+  """Fitted per-group and per-task costs (s) and what they were fitted to."""
 
   group_s: float
+  task_fixed_s: float
   intercept_s: float
-  # Per program: (groups, messages, measured median step s, priced step s).
-  points: tuple[tuple[int, int, float, float], ...]
+  # Per program: (groups, messages, busiest-device tasks summed over groups, measured median
+  # step s, priced step s).
+  points: tuple[tuple[int, int, int, float, float], ...]
 
   def to_json(self) -> dict[str, Any]:
-    return {"group_s": self.group_s, "intercept_s": self.intercept_s,
-            "points": [list(p) for p in self.points]}
+    return {"group_s": self.group_s, "task_fixed_s": self.task_fixed_s,
+            "intercept_s": self.intercept_s, "points": [list(p) for p in self.points]}
 
 
 class ZeroTaskCosts(costs_lib.CostModel):
@@ -60,20 +71,28 @@ class ZeroTaskCosts(costs_lib.CostModel):
     return 0.0
 
 
-def fit(points: Sequence[tuple[int, int, float, float]]) -> tuple[float, float]:
-  """(per-group seconds, intercept seconds) of `measured - priced = intercept + group_s * groups`
-  by least squares over `points` (groups, messages, measured, priced); the slope is clipped at
-  0 (more groups never make a step faster).
+def fit(points: Sequence[tuple[int, int, int, float, float]]) -> tuple[float, float, float]:
+  """(group_s, task_fixed_s, intercept_s) of `measured - priced = intercept + group_s * groups +
+  task_fixed_s * tasks` by least squares over `points` (groups, messages, tasks, measured, priced);
+  a negative slope is set to 0 and the others refitted.
 
   Raises:
     ValueError: fewer than two distinct group counts.
   """
-  g = np.asarray([p[0] for p in points], np.float64)
-  if len(set(g.tolist())) < 2:
-    raise ValueError(f"fitting a per-group cost needs two distinct group counts, got {g.tolist()}")
-  extra = np.asarray([p[2] - p[3] for p in points], np.float64)
-  slope, intercept = np.polyfit(g, extra, 1)
-  return max(float(slope), 0.0), float(intercept)
+  pts = np.asarray([(p[0], p[2], p[3] - p[4]) for p in points], np.float64)
+  if len(set(pts[:, 0].tolist())) < 2:
+    raise ValueError(f"fitting a per-group cost needs two distinct group counts, got "
+                     f"{pts[:, 0].tolist()}")
+  free = [0, 1]  # columns of (groups, tasks) still fitted
+  while True:
+    a = np.column_stack([np.ones(len(pts))] + [pts[:, c] for c in free])
+    coef = np.linalg.lstsq(a, pts[:, 2], rcond=None)[0]
+    slopes = dict(zip(free, coef[1:]))
+    bad = [c for c in free if slopes[c] < 0]
+    if not bad:
+      break
+    free.remove(min(bad, key=lambda c: slopes[c]))
+  return float(slopes.get(0, 0.0)), float(slopes.get(1, 0.0)), float(coef[0])
 
 
 def _placements(nodes: int, blocks: Sequence[int]) -> list[list[int]]:
@@ -88,32 +107,46 @@ def measure(
   mesh: Any,
   link: costs_lib.Link,
   *,
+  layer_counts: Sequence[int] = LAYER_COUNTS,
   blocks: Sequence[int] = BLOCKS,
   steps: int = 40,
   warmup: int = 5,
 ) -> GroupCost:
-  """Times the tiny chain's hybrid program at each placement of `blocks` on `mesh` (1 x 2: data
-  axis 1, model axis 2) and fits the per-group cost (module docstring).
+  """Times a tiny chain's hybrid program for each chain length of `layer_counts` at each
+  placement of `blocks` on `mesh` (1 x 2: data axis 1, model axis 2) and fits the per-group and
+  per-task costs (module docstring).
 
   Raises:
     ValueError: a mesh whose model axis is not 2 devices, or fewer than two distinct group counts.
   """
-  import time
-
   import jax
-  import jax.numpy as jnp
-  import optax
 
-  from jaxhybrid import graph as graph_lib
   from jaxhybrid import mesh as mesh_lib
-  from jaxhybrid.program import hybrid, lockstep
 
   if mesh.shape.get(mesh_lib.MODEL) != 2 or mesh.shape.get(mesh_lib.DATA, 1) != 1:
     raise ValueError(f"group_cost.measure needs a 1x2 (data, model) mesh, got {dict(mesh.shape)}")
-  keys = jax.random.split(jax.random.key(0), LAYERS)
-  params = {f"layer{i:02d}": jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5
+  points = []
+  for layers in layer_counts:
+    g, params, batch = _chain(layers)
+    for assign in _placements(len(g.nodes), blocks):
+      points.append(_time_program(mesh, link, g, jax.tree.leaves(params), batch, assign, steps,
+                                  warmup))
+  group_s, task_fixed_s, intercept = fit(points)
+  return GroupCost(group_s=group_s, task_fixed_s=task_fixed_s, intercept_s=intercept,
+                   points=tuple(points))
+
+
+def _chain(layers: int) -> tuple[Any, dict, dict]:
+  """The op graph of a chain of `layers` WIDTH-wide tanh layers (one node each), its parameters
+  and a batch of MICROBATCHES micro-batches of ROWS rows."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxhybrid import graph as graph_lib
+
+  keys = jax.random.split(jax.random.key(0), layers)
+  params = {f"layer{i:03d}": jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5
             for i, k in enumerate(keys)}
-  batch = {"x": jnp.ones((ROWS * MICROBATCHES, WIDTH), jnp.float32)}
 
   def loss(p, state, b):
     del state
@@ -124,27 +157,34 @@ def measure(
     return jnp.mean(h**2)
 
   spec = {"x": jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32)}
-  g = graph_lib.trace_function(loss, params, {}, spec)
-  priced_costs = ZeroTaskCosts(link)
-  opt = optax.sgd(1e-3)
-  points = []
-  for assign in _placements(len(g.nodes), blocks):
-    prog = hybrid.HybridProgram.build(g, mesh, opt, assign, microbatches=MICROBATCHES,
-                                      schedule="1f1b")
-    step = prog.step_fn()
-    state = prog.init_state(jax.tree.leaves(params))
-    bt = prog.shard_batch(batch)
-    for _ in range(warmup):
-      state, _ = step(state, bt)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      state, m = step(state, bt)
-      jax.block_until_ready((state, m))
-      times.append(time.perf_counter() - t0)
-    st = prog.structure
-    price = lockstep.program_step_s(g, st, assign, priced_costs)
-    points.append((len(st.groups), price.transfers, float(np.median(times)), price.step_s))
-  group_s, intercept = fit(points)
-  return GroupCost(group_s=group_s, intercept_s=intercept, points=tuple(points))
+  g = graph_lib.trace_function(loss, params, {}, spec, depth=1, max_nodes=None)
+  return g, params, {"x": jnp.ones((ROWS * MICROBATCHES, WIDTH), jnp.float32)}
+
+
+def _time_program(mesh, link, g, leaves, batch, assign, steps, warmup):
+  """(groups, messages, tasks, measured median step, priced step) of one program."""
+  import time
+
+  import jax
+  import optax
+
+  from jaxhybrid.program import hybrid, lockstep
+
+  prog = hybrid.HybridProgram.build(g, mesh, optax.sgd(1e-3), assign, microbatches=MICROBATCHES,
+                                    schedule="1f1b")
+  step = prog.step_fn()
+  state = prog.init_state(leaves)
+  bt = prog.shard_batch(batch)
+  for _ in range(warmup):
+    state, _ = step(state, bt)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = step(state, bt)
+    jax.block_until_ready((state, m))
+    times.append(time.perf_counter() - t0)
+  st = prog.structure
+  price = lockstep.program_step_s(g, st, assign, ZeroTaskCosts(link))
+  return (len(st.groups), price.transfers, lockstep.busiest_task_count(st),
+          float(np.median(times)), price.step_s)

@@ -36,11 +36,11 @@ regions other devices need) and lanes it does not fill with exactly one value; a
 as its lane is returned without a copy. An idle device's zeros cost nothing while another
 device computes.
 
-  + G * group_s
+  + G * group_s,  with each task's time t(task) + task_fixed_s above
 
-(M > 1 only) G groups, each paying for the devices meeting beyond its messages' link time
-(`program.group_cost`: measured once per machine; the planner adds the same,
-`PlannerOptions.group_s`).
+(M > 1 only) G groups, each paying for the devices meeting beyond its messages' link time, and
+each task for its place in the group's branch (`program.group_cost`: both measured once per
+machine; the planner adds the same, `PlannerOptions.group_s` and `task_fixed_s`).
 """
 
 from __future__ import annotations
@@ -86,10 +86,14 @@ class LockstepTime:
   # Groups x PassCosts.group_s: the devices meeting at each group (0 without it, or on one
   # device).
   group_sync_s: float = 0.0
+  # What PassCosts.task_fixed_s per task adds to the groups' busiest devices (0 without it,
+  # or on one device).
+  task_overhead_s: float = 0.0
 
   @property
   def step_s(self) -> float:
-    return self.compute_s + self.transfer_s + self.param_s + self.fill_s + self.group_sync_s
+    return (self.compute_s + self.transfer_s + self.param_s + self.fill_s + self.group_sync_s
+            + self.task_overhead_s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +110,9 @@ class PassCosts:
   # Seconds each group costs on several devices beyond its tasks and its messages' link time
   # (the devices meeting; `program.group_cost.measure`); 0 = not counted.
   group_s: float = 0.0
+  # Seconds each task costs on several devices beyond its profiled time (its place in the
+  # group's branch: reading and writing the group buffers; `program.group_cost.measure`).
+  task_fixed_s: float = 0.0
 
   def time_s(self, param_bytes: float, microbatches: int) -> float:
     return param_bytes * (self.update_s_per_byte + microbatches * self.add_s_per_byte)
@@ -251,13 +258,23 @@ def program_step_s(
   compute = transfer = fill_s = 0.0
   count = 0
   fill_rate = pass_costs.fill_s_per_byte if pass_costs is not None and devices > 1 else 0.0
+  per_task = pass_costs.task_fixed_s if pass_costs is not None and devices > 1 else 0.0
+  overhead = 0.0
   for g, price in enumerate(group_prices(graph, structure, costs)):
     busiest = max(price.tasks_s, default=0.0)
     compute += busiest
+    tasks_s = price.tasks_s
+    if per_task:
+      counts = [0] * devices
+      for d, _ in structure.groups[g].tasks:
+        counts[d] += 1
+      tasks_s = tuple(t + per_task * n for t, n in zip(tasks_s, counts))
+      overhead += max(tasks_s, default=0.0) - busiest
+      busiest = max(tasks_s, default=0.0)
     if fill_rate:
       # Each device builds its outputs after its tasks; the group waits for the slowest.
       fills = structure.fill_bytes_per_device(g)
-      fill_s += max(price.tasks_s[d] + fill_rate * b for d, b in enumerate(fills)) - busiest
+      fill_s += max(tasks_s[d] + fill_rate * b for d, b in enumerate(fills)) - busiest
     for m in price.messages_s:  # summed in the same order as before the per-group prices
       transfer += m
       count += 1
@@ -273,8 +290,20 @@ def program_step_s(
     sync = pass_costs.group_s * len(structure.groups)
   return LockstepTime(
     compute_s=compute, transfer_s=transfer, groups=len(structure.groups), transfers=count,
-    param_s=param_s, fill_s=fill_s, group_sync_s=sync,
+    param_s=param_s, fill_s=fill_s, group_sync_s=sync, task_overhead_s=overhead,
   )
+
+
+def busiest_task_count(structure: tasks_lib.Structure) -> int:
+  """Sum over groups of the busiest device's number of tasks (what a per-task cost adds to the
+  lock-step step when tasks cost nothing else)."""
+  total = 0
+  for lay in structure.groups:
+    counts: dict[int, int] = {}
+    for d, _ in lay.tasks:
+      counts[d] = counts.get(d, 0) + 1
+    total += max(counts.values(), default=0)
+  return total
 
 
 def plan_step_s(

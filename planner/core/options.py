@@ -85,6 +85,9 @@ class PlannerOptions:
   # time (the devices meeting; measured: jaxhybrid.program.group_cost). Added to the lock-step
   # price, as the program's price (program.lockstep.PassCosts.group_s) adds it. 0: not counted.
   group_s: float = 0.0
+  # Seconds each task costs on several devices beyond its profiled time (its place in the
+  # group's branch; measured with group_s), added to its device's time in each group.
+  task_fixed_s: float = 0.0
   # What a node keeps per micro-batch in flight, from its forward to its backward: 'saved' =
   # its outputs plus the residuals its pullback holds, traced from the node's jaxpr
   # (`OpGraph.saved_bytes`; an LSTM layer keeps every step's gates, ~100x its output);
@@ -246,8 +249,9 @@ class PlannerOptions:
     if self.task_temp is not None and not callable(self.task_temp):
       raise ValueError(f"task_temp={self.task_temp!r}: use a function (graph, node) -> (F bytes, "
                        "B bytes), or None.")
-    if not self.group_s >= 0:
-      raise ValueError(f"group_s={self.group_s!r}: use seconds >= 0.")
+    for name in ("group_s", "task_fixed_s"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name}={getattr(self, name)!r}: use seconds >= 0.")
     if not isinstance(self.microbatches, int) or self.microbatches < 1:
       raise ValueError(f"microbatches={self.microbatches!r}: use an integer >= 1.")
     if not self.time_limit_s > 0:

@@ -101,12 +101,10 @@ class Problem:
   # read whole; the SPMD program allocates the largest device's on every device); 0 = not
   # modelled. The solvers see the caps less this; `Plan.device_peak_bytes` includes it.
   transient_bytes: int = 0
-  # Parameter leaves more than one node reads: (static bytes, reader nodes) each, the static
-  # bytes counted as `static_bytes` counts parameters (with gradient and optimizer state), and
-  # left out of the readers' `static_bytes`. A device holds such a leaf once: the device of its
-  # readers, or every device when they are on several (the program replicates it;
-  # `price.device_static_bytes`). The solvers, which see `static_bytes` only, see less than that
-  # (a relaxation). () = none.
+  # Parameter leaves more than one node reads: (static bytes as `static_bytes` counts them,
+  # reader nodes) each, left out of the readers' `static_bytes`. A device holds such a leaf
+  # once: its readers' device, or every device when they are on several (the program
+  # replicates it; `price.device_static_bytes`); the solvers see less (a relaxation). () = none.
   shared_static: tuple[tuple[int, tuple[int, ...]], ...] = ()
   # Bytes of the batch every model-axis device holds (its data replica's), and of the model state
   # the step carries (graph_reads.batch_bytes); 0 = not modelled.
@@ -117,8 +115,9 @@ class Problem:
   window_bytes: tuple[int, ...] = ()
   # Per node, (F, B) bytes its task needs beyond inputs and outputs (W: B's); () = not counted.
   task_temp_bytes: tuple[tuple[int, int], ...] = ()
-  # Seconds per lock-step group beyond tasks and link time (PlannerOptions.group_s).
+  # Seconds per group, per task (M > 1) beyond tasks and link (PlannerOptions.group_s, ...).
   group_s: float = 0.0
+  task_fixed_s: float = 0.0
 
   def __post_init__(self):
     n = len(self.names)
@@ -304,6 +303,7 @@ class Problem:
       input_grad_s=scale(self.input_grad_s), weight_grad_task_s=scale(self.weight_grad_task_s),
       transfer_s=scale(self.transfer_s), link_latency_s=scale(self.link_latency_s),
       link_s_per_byte=scale(self.link_s_per_byte), group_s=scale(self.group_s),
+      task_fixed_s=scale(self.task_fixed_s),
     )
 
   def memory_bytes(self, microbatches: int) -> tuple[float, ...]:
@@ -496,5 +496,5 @@ class Problem:
       window_bytes=tuple(copied),
       task_temp_bytes=tuple(tuple(int(b) for b in options.task_temp(graph, n)) for n in nodes)
       if options.task_temp is not None else (),
-      group_s=float(options.group_s),
+      group_s=float(options.group_s), task_fixed_s=float(options.task_fixed_s),
     )

@@ -8,7 +8,8 @@ priced with the problem's numbers (program.lockstep.program_step_s prices the pr
 
   T = sum over groups g of  max over devices d of  sum_{tasks of d in g} t(task)
       + sum over groups g, shifts s, dtypes:  max over devices a of  link(a -> a + s, L)
-      + G * group_s  (M > 1: each of the G groups' devices meeting, `Problem.group_s`)
+      + G * group_s  (M > 1: each of the G groups' devices meeting, `Problem.group_s`; and each
+        task's time t(task) above counts `Problem.task_fixed_s` more)
 
 where L is the longest device's bytes in that message (the message buffer is the union of the
 devices' parts). With no link model in the problem (hand-built problems) a message costs the
@@ -67,10 +68,12 @@ class LockstepPrice:
   transfers: int
   # Groups x Problem.group_s (the devices meeting at each group; 0 on one device).
   group_sync_s: float = 0.0
+  # What Problem.task_fixed_s per task adds to the groups' busiest devices (0 on one device).
+  task_overhead_s: float = 0.0
 
   @property
   def step_s(self) -> float:
-    return self.compute_s + self.transfer_s + self.group_sync_s
+    return self.compute_s + self.transfer_s + self.group_sync_s + self.task_overhead_s
 
 
 def task_reads(problem: Problem, schedule: TaskSchedule) -> dict[Op, list[Op]]:
@@ -173,11 +176,18 @@ def lockstep_price(
   groups = groups_of(problem, assignment, schedule)
   adjacency = (problem.successors(), problem.predecessors(),
                [problem.is_float(v) for v in range(len(problem.value_bytes))])
+  fixed = problem.task_fixed_s if M > 1 else 0.0
+  overhead = 0.0
   for group in groups:
     per_device: dict[int, float] = {}
+    counts: dict[int, int] = {}
     for d, op in group:
       per_device[d] = per_device.get(d, 0.0) + problem.task_s(op.kind, op.node, split)
-    compute += max(per_device.values(), default=0.0)
+      counts[d] = counts.get(d, 0) + 1
+    busiest = max(per_device.values(), default=0.0)
+    compute += busiest
+    if fixed:
+      overhead += max((t + fixed * counts[d] for d, t in per_device.items()), default=0.0) - busiest
     for (shift, _), by_src in sorted(_messages(problem, assignment, group, adjacency).items()):
       if problem.link_latency_s:
         # As the program sends them (program.tasks): small values packed in one message, each
@@ -204,7 +214,7 @@ def lockstep_price(
         transfer += worst
   sync = problem.group_s * len(groups) if M > 1 else 0.0
   return LockstepPrice(compute_s=compute, transfer_s=transfer, groups=len(groups),
-                       transfers=count, group_sync_s=sync)
+                       transfers=count, group_sync_s=sync, task_overhead_s=overhead)
 
 
 def residual_release(op: Op, split: bool) -> bool:
