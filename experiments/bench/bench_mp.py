@@ -71,6 +71,7 @@ from absl import app, flags, logging
 from bench_mp_flags import LOCKSTEP_CANDIDATES
 from bench_mp_flags import batch_k as _batch_k
 from bench_mp_flags import blend_fit as _blend_fit
+from bench_mp_flags import load_rows as _load_rows
 from bench_mp_flags import model as _model
 from bench_mp_flags import model_sets as _model_sets
 from bench_mp_flags import overrides as _overrides
@@ -83,10 +84,6 @@ FLAGS = flags.FLAGS
 
 
 # ---- worker roles -----------------------------------------------------------------------------
-
-def _load_rows(b: int, k: int) -> int:
-  return b // k if FLAGS.load_microbatch else b
-
 
 def role_single(work: pathlib.Path, name: str) -> None:
   """Profiles, plans, times one device (`_single`); with --profile_under_load rank 1 of this
@@ -130,8 +127,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
   t1 = time.perf_counter()
   # Plan the kind the program runs ('auto': any, the plan's own schedule runs).
-  # Its lock-step price adds this machine's calibrated per-group and per-task costs, as the
-  # program's does.
+  # Priced with this machine's calibrated per-group and per-task costs, as the program is.
   kinds = {"schedule_kinds": ("gpipe", "1f1b", "zb", "custom") if FLAGS.schedule == "auto"
            else (FLAGS.schedule,), **calib.planner_fixed_costs(work)}
   plan = planner.place(g, cm, devices=2, microbatches=k, method=FLAGS.planner,

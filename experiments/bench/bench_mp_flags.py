@@ -150,6 +150,12 @@ def schedule() -> str | None:
   return None if FLAGS.schedule == "auto" else FLAGS.schedule
 
 
+def load_rows(b: int, k: int) -> int:
+  """Rows of the load step --profile_under_load runs: a micro-batch's (--load_microbatch) or the
+  whole batch's."""
+  return b // k if FLAGS.load_microbatch else b
+
+
 def profile_flush_bytes() -> int:
   """--profile_flush_bytes, with -1 resolved to this host's cache-sized flush."""
   from jaxhybrid.costs import timing

@@ -163,9 +163,6 @@ def _chain(layers: int) -> tuple[Any, dict, dict]:
 
 def _time_program(mesh, link, g, leaves, batch, assign, steps, warmup):
   """(groups, messages, tasks, measured median step, priced step) of one program."""
-  import time
-
-  import jax
   import optax
 
   from jaxhybrid.program import hybrid, lockstep
@@ -173,18 +170,15 @@ def _time_program(mesh, link, g, leaves, batch, assign, steps, warmup):
   prog = hybrid.HybridProgram.build(g, mesh, optax.sgd(1e-3), assign, microbatches=MICROBATCHES,
                                     schedule="1f1b")
   step = prog.step_fn()
-  state = prog.init_state(leaves)
+  carry = {"state": prog.init_state(leaves)}
   bt = prog.shard_batch(batch)
-  for _ in range(warmup):
-    state, _ = step(state, bt)
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = step(state, bt)
-    jax.block_until_ready((state, m))
-    times.append(time.perf_counter() - t0)
+
+  def run():  # the state carried from call to call, as a training loop does
+    carry["state"], m = step(carry["state"], bt)
+    return carry["state"], m
+
+  measured = costs_lib.median_time_s(run, warmup=warmup, repeats=steps)
   st = prog.structure
   price = lockstep.program_step_s(g, st, assign, ZeroTaskCosts(link))
-  return (len(st.groups), price.transfers, lockstep.busiest_task_count(st),
-          float(np.median(times)), price.step_s)
+  return (len(st.groups), price.transfers, lockstep.busiest_task_count(st), measured,
+          price.step_s)
