@@ -16,9 +16,12 @@ device); `after_last_message_s`: the rest of the step (the last groups' tasks, t
 update, the all-reduce). Beside them, the lock-step model's price of the same group
 (`jaxhybrid.program.lockstep.group_prices`, from the workdir's node profiles and link): each device's tasks
 (`tasks_s`) and the group's messages (`transfer_s`). Also each process's minor page faults per
-step (getrusage). Reads bench_mp's workdir: single_{model}.json (batch, micro-batches,
-branch_remat), link.json, profiles/. The trace event names are those of XLA's CPU runtime;
-registry models only (not bench_mp's chain).
+step (getrusage). Per device, `attribution`: each task's measured time (its instructions' own
+time, found through the task scopes the program names in its HLO, task_attribution.py; the
+median over the traced steps, F and B summed over the micro-batches) beside its price, and the
+time outside every task per category. Reads bench_mp's workdir: single_{model}.json (batch,
+micro-batches, branch_remat), link.json, profiles/. The trace event names are those of XLA's CPU
+runtime; registry models only (not bench_mp's chain).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import sys
 import time
 
@@ -42,7 +46,7 @@ flags.DEFINE_string("plan", "", "Plan JSON, relative to --workdir (default plan_
 flags.DEFINE_enum("schedule", "1f1b", ["gpipe", "1f1b", "zb", "auto"],
                   "Task schedule the program runs ('auto': the plan's own, as bench_mp --schedule=auto).")
 flags.DEFINE_integer("steps", 3, "Timed steps before the trace.")
-flags.DEFINE_integer("trace_steps", 2, "Traced steps.")
+flags.DEFINE_integer("trace_steps", 3, "Traced steps (per-task figures: the median over them).")
 flags.DEFINE_string("out", "", "Write the JSON here.")
 flags.DEFINE_string("role", "driver", "Internal: driver | trace.")
 FLAGS = flags.FLAGS
@@ -74,14 +78,26 @@ def _plan_path(work: pathlib.Path) -> pathlib.Path:
   return work / (FLAGS.plan or f"plan_{FLAGS.model}.json")
 
 
+def _hlo_dir(work: pathlib.Path, rank: int) -> pathlib.Path:
+  return work / f"trace_{FLAGS.model}_{rank}_hlo"
+
+
 def role_trace(work: pathlib.Path) -> None:
+  # The optimized HLO of the step, for the per-task attribution (task_attribution.py); XLA reads
+  # its flags when JAX starts its backend, below.
+  from jaxhybrid.program import localcluster
+
+  hlo = _hlo_dir(work, int(os.environ.get(localcluster.ENV_RANK, "0")))
+  shutil.rmtree(hlo, ignore_errors=True)
+  # (first: XLA's parser ignores what follows a word that is not a flag)
+  os.environ["XLA_FLAGS"] = (f"--xla_dump_to={hlo} --xla_dump_hlo_as_text "
+                             f"--xla_dump_hlo_module_re=jit_step {os.environ.get('XLA_FLAGS', '')}")
   import jax
   import optax
   from flax import nnx
 
   from jaxhybrid import api, planner
   from jaxhybrid import mesh as mesh_lib
-  from jaxhybrid.program import localcluster
 
   localcluster.worker_init()
   cfg = _settings(work)
@@ -106,6 +122,7 @@ def role_trace(work: pathlib.Path) -> None:
   faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / FLAGS.steps
   rank = jax.process_index()
   folder = work / f"trace_{FLAGS.model}_{rank}"
+  shutil.rmtree(folder, ignore_errors=True)  # the profiler adds a dated folder per run
   jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
   for _ in range(FLAGS.trace_steps):
     state, m = fn(state, shards)
@@ -115,6 +132,11 @@ def role_trace(work: pathlib.Path) -> None:
                                                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}))
 
 
+def _trace_file(folder: pathlib.Path) -> str:
+  """The newest perfetto trace under `folder`."""
+  return max(glob.glob(str(folder / "**" / "*perfetto*"), recursive=True), key=os.path.getmtime)
+
+
 STEP_EVENT = "ThunkExecutor::Execute (wait for completion)"  # one per executed step (XLA:CPU)
 EXECUTE_EVENT = "ThunkExecutor::Execute"  # an execution of thunks (a step, a branch, a loop body)
 
@@ -122,7 +144,7 @@ EXECUTE_EVENT = "ThunkExecutor::Execute"  # an execution of thunks (a step, a br
 def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
   """Outermost ppermute / conditional / all-reduce events of the executing thread and the
   executed steps' windows, in seconds."""
-  path = glob.glob(str(folder / "**" / "*perfetto*"), recursive=True)[0]
+  path = _trace_file(folder)
   with gzip.open(path) as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
@@ -238,7 +260,7 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
   else:
     cm = costs.ProfiledCostModel(g, **cfg["timing"], **kw)
   plan = planner.Plan.load(_plan_path(work))
-  fwd, _ = lockstep.task_times(g, cm)
+  fwd, bwd = lockstep.task_times(g, cm)
   _, st, _ = executor.structure_for(
     g, plan.assignment, plan.devices, plan.microbatches,
     plan.task_schedule if FLAGS.schedule == "auto" else FLAGS.schedule,
@@ -251,7 +273,38 @@ def _priced_groups(work: pathlib.Path, cfg: dict) -> list[dict]:
       names[d].append(f"{op.kind}{op.node}")
     out.append({"tasks_s": list(price.tasks_s), "transfer_s": sum(price.messages_s),
                 "messages": len(price.messages_s), "tasks": [" ".join(n) for n in names]})
-  return out
+  # Each node's F and B (with W) per step, all micro-batches, on its device.
+  per_task = [{} for _ in range(plan.devices)]
+  for n, d in enumerate(plan.assignment):
+    per_task[d][f"F{n}"] = fwd[n] * plan.microbatches
+    per_task[d][f"B{n}"] = bwd[n] * plan.microbatches
+  return out, per_task
+
+
+def _attributed(folder: pathlib.Path, hlo: pathlib.Path, windows, priced: dict) -> dict | None:
+  """One device's traced steps attributed per task (task_attribution.py), the median over the
+  steps, beside each task's price; None without the HLO dump."""
+  import task_attribution as ta  # experiments/bench/ (the script's folder)
+
+  dumps = sorted(hlo.glob("*jit_step*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+  if not dumps:
+    return None
+  names = ta.op_names(dumps[-1].read_text())
+  path = _trace_file(folder)
+  with gzip.open(path) as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  steps = [ta.attribute(events, names, w) for w in windows]
+  measured = ta.median_over_steps([s["tasks"] for s in steps])
+  for key in [k for k in measured if k.startswith("W")]:  # split schedules: B and W as priced
+    measured[f"B{key[1:]}"] = measured.get(f"B{key[1:]}", 0.0) + measured.pop(key)
+  rows = [{"task": t, "priced_s": priced.get(t, 0.0), "measured_s": measured.get(t, 0.0)}
+          for t in sorted(set(priced) | set(measured), key=lambda t: (int(t[1:]), t[0]))]
+  return {"tasks": rows, "tasks_priced_s": sum(r["priced_s"] for r in rows),
+          "tasks_measured_s": sum(r["measured_s"] for r in rows),
+          "other_s": ta.median_over_steps([s["other"] for s in steps]),
+          "per_step_tasks_s": [sum(s["tasks"].values()) for s in steps],
+          "per_step_busy_s": [s["busy_s"] for s in steps]}
 
 
 def driver() -> dict:
@@ -263,8 +316,8 @@ def driver() -> dict:
   argv = [__file__, "--role=trace", *(f"--{n}={getattr(FLAGS, n)}" for n in (
     "workdir", "model", "size", "plan", "schedule", "steps", "trace_steps"))]
   localcluster.launch(argv, 2)
-  priced = _priced_groups(work, cfg)
-  per_device, tails, ppermute, steps = [], [], [], []
+  priced, priced_tasks = _priced_groups(work, cfg)
+  per_device, tails, ppermute, steps, attributed = [], [], [], [], []
   for rank in range(2):
     folder = work / f"trace_{FLAGS.model}_{rank}"
     timeline, windows = _timeline(folder)
@@ -275,6 +328,7 @@ def driver() -> dict:
     ppermute.append(pp)
     steps.append(json.loads((folder / "steps.json").read_text()))
     steps[-1]["traced_step_s"] = step_s
+    attributed.append(_attributed(folder, _hlo_dir(work, rank), windows, priced_tasks[rank]))
     # what the traced processes ran with (localcluster's malloc tunables), not the driver
     tunables = steps[-1].pop("glibc_tunables", None)
   cut = all(d is not None for d in per_device)
@@ -293,7 +347,8 @@ def driver() -> dict:
     "cut_into_groups": cut,
   }
   return {"model": FLAGS.model, "plan": str(_plan_path(work)), "schedule": FLAGS.schedule, **cfg,
-          "glibc_tunables": tunables, "processes": steps, "totals": totals, "groups": groups}
+          "glibc_tunables": tunables, "processes": steps, "totals": totals, "groups": groups,
+          "attribution": attributed}
 
 
 def main(argv):

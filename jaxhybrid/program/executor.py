@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,21 @@ from jaxhybrid.program import structure as structure_lib
 from jaxhybrid.program import tasks as tasks_lib
 from jaxhybrid.program.node_calls import NodeCalls, pullback_leaves, split_pullback
 from jaxhybrid.program.structure import ParamLayout
+
+# Each task's operations run under a named scope, so the compiled HLO's `op_name` metadata (and a
+# profile's events through it) tells which task an instruction belongs to.
+_TASK_SCOPE = re.compile(r"(?:^|/)([FBW])(\d+)_mb(\d+)(?=/|$)")
+
+
+def task_scope(kind: str, node: int, microbatch: int) -> str:
+  """The named scope of task `kind`(node, micro-batch), e.g. 'B12_mb3'."""
+  return f"{kind}{node}_mb{microbatch}"
+
+
+def task_of_op_name(op_name: str) -> tuple[str, int, int] | None:
+  """(kind, node, micro-batch) of the innermost task scope in an HLO `op_name`, else None."""
+  found = _TASK_SCOPE.findall(op_name)
+  return (found[-1][0], int(found[-1][1]), int(found[-1][2])) if found else None
 
 
 def _on_param_access(device: int, leaf: int, what: str) -> None:
@@ -257,102 +273,104 @@ def run_groups(
         if dd != d:
           continue
         node, c = g.nodes[op.node], op.microbatch
-        if op.kind == "F" or node.id in calls.remat or (node.id, c) in pullbacks:
-          need = None
-        else:
-          need = set(calls.residuals(node.id, consts).arg_indices)
-        args = args_of(node, c, need)
-        if op.kind == "F":
-          if node.id in calls.remat:
-            outs, _ = calls.split_outs(node.id, calls.fn(node.id)(*calls.full_args(node.id, args)))
+        with jax.named_scope(task_scope(op.kind, op.node, c)):  # names its ops in HLO
+          if op.kind == "F" or node.id in calls.remat or (node.id, c) in pullbacks:
+            need = None
           else:
-            full = calls.full_args(node.id, args)
-            outs, pb = jax.vjp(calls.fn(node.id), *full)
-            outs, ids = calls.split_outs(node.id, outs)
-            treedef, _, packed = split_pullback(pb, full, outs)
-            packed = packed + ids
-            res = calls.residuals(node.id, consts)
-            if res.has_fresh:  # saved: res.stored; the others are made again in B
-              packed = [packed[j] for j in res.stored]
-            want = res.avals
-            if [(p.shape, p.dtype) for p in packed] != [(a.shape, a.dtype) for a in want]:
-              raise RuntimeError(f"internal: residuals of node {node.name} differ from the probe")
-            calls.treedefs[node.id] = treedef
-            pullbacks[(node.id, c)] = pb
-            for j, r in enumerate(packed):
-              local[("r", node.id, c, j)] = r
-          for v, o in zip(node.outvars, outs):
-            local[("a", v, c)] = o
-            if v in write_of:
-              j = carry_at[write_of[v]]
-              if dtypes.is_float(v.aval.dtype):
-                acc[j] = acc[j] + o / jnp.asarray(k, o.dtype)
-              elif c == k - 1:
-                acc[j] = o
-          continue
-        # B or W: the pullback of F(n, c).
-        found = calls.lookups(node.id)
-        ids = None
-        if (node.id, c) in pullbacks:
-          pb = pullbacks[(node.id, c)]
-        elif node.id in calls.remat:
-          outs, pb = jax.vjp(calls.fn(node.id), *calls.full_args(node.id, args))
-          ids = calls.split_outs(node.id, outs)[1]
-        else:
-          res = calls.residuals(node.id, consts)
-          leaves = pullback_leaves(
-            res, calls.full_args(node.id, args), lambda i, n=node.id, c=c: read(("r", n, c, i)),
-            lambda i, node=node, c=c: read(("a", node.outvars[i], c)))
-          pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
-        if found and ids is None:
-          ids = [read(("r", node.id, c, j)) for j in calls.residuals(node.id, consts).ids]
-        cts = []
-        for v in node.outvars:
-          a = v.aval
-          if not dtypes.is_float(a.dtype):
-            cts.append(np.zeros(a.shape, jax.dtypes.float0))
+            need = set(calls.residuals(node.id, consts).arg_indices)
+          args = args_of(node, c, need)
+          if op.kind == "F":
+            if node.id in calls.remat:
+              full = calls.full_args(node.id, args)
+              outs, _ = calls.split_outs(node.id, calls.fn(node.id)(*full))
+            else:
+              full = calls.full_args(node.id, args)
+              outs, pb = jax.vjp(calls.fn(node.id), *full)
+              outs, ids = calls.split_outs(node.id, outs)
+              treedef, _, packed = split_pullback(pb, full, outs)
+              packed = packed + ids
+              res = calls.residuals(node.id, consts)
+              if res.has_fresh:  # saved: res.stored; the others are made again in B
+                packed = [packed[j] for j in res.stored]
+              want = res.avals
+              if [(p.shape, p.dtype) for p in packed] != [(a.shape, a.dtype) for a in want]:
+                raise RuntimeError(f"internal: residuals of node {node.name} differ from the probe")
+              calls.treedefs[node.id] = treedef
+              pullbacks[(node.id, c)] = pb
+              for j, r in enumerate(packed):
+                local[("r", node.id, c, j)] = r
+            for v, o in zip(node.outvars, outs):
+              local[("a", v, c)] = o
+              if v in write_of:
+                j = carry_at[write_of[v]]
+                if dtypes.is_float(v.aval.dtype):
+                  acc[j] = acc[j] + o / jnp.asarray(k, o.dtype)
+                elif c == k - 1:
+                  acc[j] = o
             continue
-          ct = jnp.zeros(a.shape, a.dtype)
-          for src in st.ct_sources.get(("a", v, c), []):
-            ct = ct + read(src)
-          if v is loss_var:
-            ct = ct + jnp.asarray(1.0 / k, a.dtype)
-          cts.append(ct)
-        in_cts = pb(calls.full_cts(node.id, cts))
-        if op.kind == "B":
-          for key in st.makes[(d, op)]:  # ('g', var, c, node): summed over the var's positions
-            v = key[1]
-            total = None
-            for i, u in enumerate(node.invars):
-              if u is v:
-                total = in_cts[i] if total is None else total + in_cts[i]
-            local[key] = total
-        if op.kind == "W" or not st.schedule.split:
-          tables = {lk.arg for lk in found}
-          for j, lk in enumerate(found):  # a looked-up table's gradient: its rows' gradients
-            idx = kinds[node.invars[lk.arg]][1]
-            rows = in_cts[len(node.invars) + j].reshape(lk.rows, lk.row_elems)
-            rid = lookups_lib.row_ids(lk, ids[j])
-            _on_param_access(d, idx, "grad")
-            if layout.owner[idx] < 0:  # a shared leaf: its gradient is carried whole
-              p = shared_pos[idx]
-              dense = jnp.zeros((lk.table_shape[0], lk.row_elems), lk.dtype).at[rid].add(
-                rows, mode="drop").reshape(lk.table_shape)
-              sh_g = sh_g[:p] + [sh_g[p] + dense] + sh_g[p + 1 :]
-            else:
-              leaf_rows.setdefault(lk.dtype, []).append((idx, lk, rid, rows))
-          for i, v in enumerate(node.invars):
-            if v not in kinds or kinds[v][0] != graph_lib.PARAM or i in tables:
+          # B or W: the pullback of F(n, c).
+          found = calls.lookups(node.id)
+          ids = None
+          if (node.id, c) in pullbacks:
+            pb = pullbacks[(node.id, c)]
+          elif node.id in calls.remat:
+            outs, pb = jax.vjp(calls.fn(node.id), *calls.full_args(node.id, args))
+            ids = calls.split_outs(node.id, outs)[1]
+          else:
+            res = calls.residuals(node.id, consts)
+            leaves = pullback_leaves(
+              res, calls.full_args(node.id, args), lambda i, n=node.id, c=c: read(("r", n, c, i)),
+              lambda i, node=node, c=c: read(("a", node.outvars[i], c)))
+            pb = jax.tree.unflatten(calls.treedefs[node.id], leaves)
+          if found and ids is None:
+            ids = [read(("r", node.id, c, j)) for j in calls.residuals(node.id, consts).ids]
+          cts = []
+          for v in node.outvars:
+            a = v.aval
+            if not dtypes.is_float(a.dtype):
+              cts.append(np.zeros(a.shape, jax.dtypes.float0))
               continue
-            idx = kinds[v][1]
-            gv = in_cts[i]
-            _on_param_access(d, idx, "grad")
-            if layout.owner[idx] < 0:
-              j = shared_pos[idx]
-              sh_g = sh_g[:j] + [sh_g[j] + gv] + sh_g[j + 1 :]
-            else:
-              gv = gv.reshape(-1)
-              leaf_grads[idx] = leaf_grads[idx] + gv if idx in leaf_grads else gv
+            ct = jnp.zeros(a.shape, a.dtype)
+            for src in st.ct_sources.get(("a", v, c), []):
+              ct = ct + read(src)
+            if v is loss_var:
+              ct = ct + jnp.asarray(1.0 / k, a.dtype)
+            cts.append(ct)
+          in_cts = pb(calls.full_cts(node.id, cts))
+          if op.kind == "B":
+            for key in st.makes[(d, op)]:  # ('g', var, c, node): summed over the var's positions
+              v = key[1]
+              total = None
+              for i, u in enumerate(node.invars):
+                if u is v:
+                  total = in_cts[i] if total is None else total + in_cts[i]
+              local[key] = total
+          if op.kind == "W" or not st.schedule.split:
+            tables = {lk.arg for lk in found}
+            for j, lk in enumerate(found):  # a looked-up table's gradient: its rows' gradients
+              idx = kinds[node.invars[lk.arg]][1]
+              rows = in_cts[len(node.invars) + j].reshape(lk.rows, lk.row_elems)
+              rid = lookups_lib.row_ids(lk, ids[j])
+              _on_param_access(d, idx, "grad")
+              if layout.owner[idx] < 0:  # a shared leaf: its gradient is carried whole
+                p = shared_pos[idx]
+                dense = jnp.zeros((lk.table_shape[0], lk.row_elems), lk.dtype).at[rid].add(
+                  rows, mode="drop").reshape(lk.table_shape)
+                sh_g = sh_g[:p] + [sh_g[p] + dense] + sh_g[p + 1 :]
+              else:
+                leaf_rows.setdefault(lk.dtype, []).append((idx, lk, rid, rows))
+            for i, v in enumerate(node.invars):
+              if v not in kinds or kinds[v][0] != graph_lib.PARAM or i in tables:
+                continue
+              idx = kinds[v][1]
+              gv = in_cts[i]
+              _on_param_access(d, idx, "grad")
+              if layout.owner[idx] < 0:
+                j = shared_pos[idx]
+                sh_g = sh_g[:j] + [sh_g[j] + gv] + sh_g[j + 1 :]
+              else:
+                gv = gv.reshape(-1)
+                leaf_grads[idx] = leaf_grads[idx] + gv if idx in leaf_grads else gv
       outs = []
       for lane in sorted(lay.sizes):
         dt = tasks_lib.lane_dtype(lane)
