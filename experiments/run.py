@@ -66,6 +66,9 @@ _PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
 _PROJECTION = flags.DEFINE_boolean(
   "projection", True, "Project DP against hybrid time-to-accuracy at scale after the run (it plans "
   "the paper-size model); --noprojection skips it.")
+_CALIBRATE = flags.DEFINE_boolean(
+  "calibrate", False, "Measure this machine's link, optimizer passes and per-group costs on two "
+  "model devices (cached per machine) and plan and predict with them.")
 _COORD = flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
@@ -99,6 +102,7 @@ def main(argv):
       resume=_RESUME.value, seed=_SEED.value, overrides=runner.parse_overrides(_SET.value),
       plan=_PLAN.value, optimizer=_OPTIMIZER.value, learning_rate=_LR.value, clip_norm=_CLIP.value,
       checkpoint_every=_CKPT_EVERY.value, progress=_PROGRESS.value, projection=_PROJECTION.value,
+      calibrate=_CALIBRATE.value,
       coordinator_address=_COORD.value, num_processes=_NPROC.value, process_id=_PID.value,
     )
     runner.setup_devices(config)  # before anything starts JAX

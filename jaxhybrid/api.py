@@ -84,8 +84,9 @@ def microbatch_spec(
   return jax.tree.unflatten(treedef, out), per_example
 
 
-def default_costs(hardware: str | None = None):
-  """Analytic costs for the named hardware, or for the current backend's device."""
+def default_costs(hardware: str | None = None, link: Any = None):
+  """Analytic costs for the named hardware, or for the current backend's device (`link`: a
+  measured link instead of the profile's, e.g. `costs.calibrate.calibrate_link`'s)."""
   from jaxhybrid import costs as costs_lib
   from jaxhybrid.costs import hardware as hw_lib
 
@@ -96,7 +97,7 @@ def default_costs(hardware: str | None = None):
       if key in kind:
         hardware = name
     log.info("costs: analytic for hardware %s (device kind %r)", hardware, kind)
-  return costs_lib.AnalyticCostModel(hw_lib.get(hardware))
+  return costs_lib.AnalyticCostModel(hw_lib.get(hardware), link=link)
 
 
 @dataclasses.dataclass

@@ -25,22 +25,29 @@ log = logging.getLogger(__name__)
 PROJECTION_OVERRIDES = ("time_chunks",)
 
 
-def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
+def predicted_step_s(hybrid: Any, hardware: str | None,
+                     calibration_values: dict[str, Any] | None = None) -> dict[str, Any]:
   """The program's per-worker step plus the ring all-reduce of the largest per-device gradient
   shard.
 
   The per-worker step is the lock-step price of the plan as the program runs it
   (`jaxhybrid.program.lockstep`: the program's task groups in lock step, transfers not
-  overlapping compute; the optimizer and buffer-fill passes are left out, they need timing on the
-  device); `fused_makespan_s` keeps the fused task model's makespan (the planner's warm start) for
-  comparison.
+  overlapping compute). Without `calibration_values` (`jaxhybrid.train.calibration`, `run.py
+  --calibrate`) the optimizer and buffer-fill passes and the groups' fixed costs are left out
+  (they need timing on the device) and the links are the hardware profile's; with them, the
+  measured link, passes and fixed costs are in (`lockstep_parts_s`). `fused_makespan_s` keeps
+  the fused task model's makespan (the planner's warm start) for comparison.
   """
   from jaxhybrid import api
   from jaxhybrid.program import lockstep
+  from jaxhybrid.train import calibration
 
-  costs = api.default_costs(hardware)
+  cal = calibration_values
+  costs = api.default_costs(hardware, link=calibration.link(cal) if cal else None)
   prog = hybrid.program
-  lock = lockstep.program_step_s(hybrid.graph, prog.structure, prog.assignment, costs).step_s
+  priced = lockstep.program_step_s(hybrid.graph, prog.structure, prog.assignment, costs,
+                                   calibration.pass_costs(cal) if cal else None)
+  lock = priced.step_s
   lay = hybrid.program.layout
   shared = sum(math.prod(lay.shapes[i]) * np.dtype(lay.dtypes[i]).itemsize for i in lay.shared)
   grad_bytes = max(lay.bytes_per_device()) + shared
@@ -52,7 +59,10 @@ def predicted_step_s(hybrid: Any, hardware: str | None) -> dict[str, Any]:
   zero = getattr(prog, "zero", 0)
   if zero == 2 and workers > 1:
     ar *= (prog.microbatches + 1) / 2
-  return {"fused_makespan_s": hybrid.plan.fused_makespan_s, "lockstep_step_s": lock, "allreduce_s": ar,
+  return {"fused_makespan_s": hybrid.plan.fused_makespan_s, "lockstep_step_s": lock,
+          "lockstep_parts_s": {k: float(v) for k, v in dataclasses.asdict(priced).items()
+                               if k.endswith("_s") and k != "step_s"},
+          "allreduce_s": ar,
           "step_s": lock + ar, "grad_bytes_per_device": float(grad_bytes),
           "data_exchange": ("all-reduce" if not zero else "reduce-scatter + all-gather" if zero == 1
                             else f"{prog.microbatches} reduce-scatters + all-gather")}

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
-from jaxhybrid.train import predict, solve_progress
+from jaxhybrid.train import calibration, predict, solve_progress
 from jaxhybrid.train.memory_check import check_fits, memory_summary
 from jaxhybrid.train.overrides import parse_overrides  # noqa: F401 - runner.parse_overrides (run.py, advise.py)
 from jaxhybrid.train.run_data import make_batch_fn
@@ -128,6 +128,10 @@ class RunConfig:
   checkpoint_every: int = 10
   # Draw a progress bar.
   progress: bool = True
+  # Measure this machine's link, per-byte passes and lock-step group and task costs on two of
+  # the run's model devices (cached per machine; jaxhybrid.train.calibration), and plan and
+  # predict with them.
+  calibrate: bool = False
   # Compute and plot the DP-vs-hybrid projection.
   projection: bool = True
   # Multi-host: coordinator "host:port", number of processes, this process's id (None: single).
@@ -286,10 +290,24 @@ def _optimizer(config: RunConfig):
   return optax.chain(optim.clip_by_global_norm(config.clip_norm), opt) if config.clip_norm else opt
 
 
-def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
+def calibrated(config: RunConfig) -> dict[str, Any] | None:
+  """The machine's calibration entry with `config.calibrate` (cached, else measured on the
+  run's mesh), or None."""
+  if not config.calibrate:
+    return None
+  try:
+    mesh = mesh_lib.make(mesh_lib.parse(config.mesh))
+    return calibration.load_or_measure(mesh, _optimizer(config), _config_json(config)["optimizer"])
+  except ValueError as e:
+    raise errors.UsageError(f"--calibrate: {e}") from None
+
+
+def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False,
+          calib: dict[str, Any] | None = None):
   """Model, data and the placed, compiled hybrid step for a resolved config (`abstract`: the
   model from `nnx.eval_shape`, no parameter allocated, for `--dry_run`; `uncapped`: plan without
-  memory caps, so that a dry run can show what a model that fits nowhere would need).
+  memory caps, so that a dry run can show what a model that fits nowhere would need; `calib`:
+  the machine's calibration entry, else `calibrated(config)`'s).
 
   Returns:
     (spec, hybrid, batch_fn).
@@ -323,6 +341,9 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
     except (OSError, ValueError) as e:
       msg = str(e).splitlines()[0] if str(e) else type(e).__name__
       raise errors.UsageError(f"--plan={plan_path!r} cannot be read ({msg}): pass a plan.json written by run.py or drop --plan to re-plan") from None
+  if calib is None:
+    calib = calibrated(config)
+  fixed = calibration.planner_options(calib["values"]) if calib is not None else {}
   make = lambda: spec.make(nnx.Rngs(config.seed))  # noqa: E731
   model = nnx.eval_shape(make) if abstract else make()
   # The solve's progress line (elapsed, incumbent, bound, gap) while the planner runs.
@@ -333,7 +354,9 @@ def build(config: RunConfig, *, abstract: bool = False, uncapped: bool = False):
       hybrid = api.parallelize(
         model, spec.loss_fn, _optimizer(config), batch_fn(0), mesh=mesh,
         microbatches=config.microbatches, planner=config.planner, hardware=config.hardware,
-        planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed,
+        costs=(api.default_costs(config.hardware, link=calibration.link(calib["values"]))
+               if calib is not None else None),
+        planner_options={"time_limit_s": config.time_limit_s, "seed": config.seed, **fixed,
                          **({"progress": progress} if shown else {}),
                          **({"shard_rules": (("lookup", "column") if config.shard else ())
                              + (("batch",) if config.batch_split else ())}),
@@ -399,7 +422,8 @@ def run(config: RunConfig) -> dict[str, Any]:
   if config.resume and config.plan is None and os.path.exists(os.path.join(wd, "plan.json")):
     # The checkpoints' own plan: a new time-limited search may place differently (other rows).
     config = dataclasses.replace(config, plan=os.path.join(wd, "plan.json"))
-  spec, hybrid, batch_fn = build(config)
+  calib = calibrated(config)  # cached per machine, else measured now (before planning)
+  spec, hybrid, batch_fn = build(config, calib=calib)
   check_fits(hybrid)  # before anything is allocated or written
   log.info("%s", hybrid.plan.summary())
   if primary:
@@ -428,7 +452,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     ckpt.close()
 
   rows = train.read_metrics(metrics_path) if primary else list(result.rows)
-  predicted = predict.predicted_step_s(hybrid, config.hardware)
+  predicted = predict.predicted_step_s(hybrid, config.hardware,
+                                       calib["values"] if calib is not None else None)
   results: dict[str, Any] = {
     "config": _config_json(config),
     "devices": {"count": jax.device_count(), "platform": jax.default_backend(),
@@ -448,6 +473,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     "predicted": predicted,
     "memory": memory_summary(hybrid),
     "measured_step_s": result.measured_step_s,
+    "calibration": calib,
     "projection": None,
   }
   if config.projection:

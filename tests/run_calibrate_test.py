@@ -1,0 +1,110 @@
+"""`run.py --calibrate` (jaxhybrid/train/calibration.py): measured once per machine, cached, and
+planned and priced with. The measurements themselves are tested where they live
+(calibrate_link_test, group_cost_test); here they are replaced by known figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxhybrid import errors
+from jaxhybrid import mesh as mesh_lib
+from jaxhybrid.train import calibration, runner
+
+VALUES = {"link_alpha_s": 2e-4, "link_bandwidth_bytes_s": 1e9, "update_s_per_byte": 1e-10,
+          "add_s_per_byte": 5e-11, "fill_s_per_byte": 3e-11, "group_s": 0.01,
+          "task_fixed_s": 0.002, "group_fit": {"points": []}}
+
+
+@pytest.fixture
+def known(monkeypatch, tmp_path):
+  """A calibration cache of this test only, and `measure` returning VALUES (counted)."""
+  monkeypatch.setenv("JAXHYBRID_CALIBRATION_CACHE", str(tmp_path / "cache"))
+  calls = []
+
+  def fake(mesh, optimizer):
+    calls.append(dict(mesh.shape))
+    return dict(VALUES)
+
+  monkeypatch.setattr(calibration, "measure", fake)
+  return calls
+
+
+def test_measured_once_then_read_from_the_cache(known):
+  import optax
+
+  mesh = mesh_lib.make("1x2")
+  first = calibration.load_or_measure(mesh, optax.adam(1e-3), "adam")
+  again = calibration.load_or_measure(mesh, optax.adam(1e-3), "adam")
+  assert (first["source"], again["source"]) == ("measured", "cache")
+  assert again["values"]["group_s"] == VALUES["group_s"] and len(known) == 1
+  assert again["provenance"]["setup"]["optimizer"] == "adam"
+  # Another optimizer is another setup: measured again.
+  assert calibration.load_or_measure(mesh, optax.sgd(1e-3), "sgd")["source"] == "measured"
+  opts = calibration.planner_options(again["values"])
+  assert opts == {"group_s": 0.01, "task_fixed_s": 0.002}
+  pc = calibration.pass_costs(again["values"])
+  assert (pc.group_s, pc.task_fixed_s, pc.fill_s_per_byte) == (0.01, 0.002, 3e-11)
+  assert calibration.link(again["values"]).alpha_s == 2e-4
+
+
+def test_a_model_axis_of_one_is_refused(known):
+  import optax
+
+  with pytest.raises(ValueError, match="model axis of 2 or more"):
+    calibration.load_or_measure(mesh_lib.make("2x1"), optax.adam(1e-3), "adam")
+  assert not known
+
+
+def test_measure_wires_the_three_measurements(monkeypatch):
+  import optax
+
+  from jaxhybrid import costs
+  from jaxhybrid.costs import calibrate
+  from jaxhybrid.program import group_cost, lockstep
+
+  seen = {}
+
+  def link(devices, **kw):
+    seen["devices"] = len(devices)
+    return costs.Link(alpha_s=1e-4, bandwidth_bytes_s=2e9)
+
+  def groups(mesh, link, **kw):
+    seen["pair"] = dict(mesh.shape)
+    return group_cost.GroupCost(group_s=3e-3, task_fixed_s=0.0, intercept_s=0.0, points=())
+
+  monkeypatch.setattr(calibrate, "calibrate_link", link)
+  monkeypatch.setattr(lockstep, "measure_pass_costs",
+                      lambda opt: lockstep.PassCosts(update_s_per_byte=1.0, add_s_per_byte=2.0,
+                                                     fill_s_per_byte=3.0))
+  monkeypatch.setattr(group_cost, "measure", groups)
+  got = calibration.measure(mesh_lib.make("2x4"), optax.adam(1e-3))
+  assert seen == {"devices": 2, "pair": {"data": 1, "model": 2}}
+  assert (got["link_alpha_s"], got["update_s_per_byte"], got["group_s"]) == (1e-4, 1.0, 3e-3)
+
+
+def test_a_calibrated_run_prices_the_measured_group_cost(known, tmp_path):
+  cfg = runner.RunConfig(model="biglstm", size="tiny", mesh="1x2", batch=4, microbatches=2,
+                         planner="etf", steps=1, checkpoint_every=0, progress=False,
+                         projection=False, calibrate=True, workdir=str(tmp_path / "w"))
+  res = runner.run(cfg)
+  assert res["calibration"]["values"]["group_s"] == VALUES["group_s"]
+  parts = res["predicted"]["lockstep_parts_s"]
+  # Every group adds group_s (10 ms here, far above any tiny task), and the passes are priced.
+  groups = parts["group_sync_s"] / VALUES["group_s"]
+  assert groups >= 1 and groups == pytest.approx(round(groups))
+  assert parts["param_s"] > 0
+  assert res["predicted"]["lockstep_step_s"] >= parts["group_sync_s"] + parts["compute_s"]
+  # Without it: no calibration, no fixed costs priced.
+  plain = runner.run(dataclasses.replace(cfg, calibrate=False, workdir=str(tmp_path / "p")))
+  assert plain["calibration"] is None
+  assert plain["predicted"]["lockstep_parts_s"]["group_sync_s"] == 0
+
+
+def test_calibrate_on_a_one_device_model_axis_is_a_usage_error(known, tmp_path):
+  cfg = runner.RunConfig(model="biglstm", size="tiny", mesh="2x1", batch=4, microbatches=2,
+                         planner="etf", steps=1, progress=False, projection=False,
+                         calibrate=True, workdir=str(tmp_path / "w"))
+  with pytest.raises(errors.UsageError, match="--calibrate"):
+    runner.run(cfg)
