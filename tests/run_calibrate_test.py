@@ -4,8 +4,6 @@ planned and priced with. The measurements themselves are tested where they live
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from jaxhybrid import errors
@@ -84,22 +82,23 @@ def test_measure_wires_the_three_measurements(monkeypatch):
   assert (got["link_alpha_s"], got["update_s_per_byte"], got["group_s"]) == (1e-4, 1.0, 3e-3)
 
 
-def test_a_calibrated_run_prices_the_measured_group_cost(known, tmp_path):
+def test_a_calibrated_build_plans_and_prices_the_measured_group_cost(known, tmp_path):
+  from jaxhybrid.train import predict
+
   cfg = runner.RunConfig(model="biglstm", size="tiny", mesh="1x2", batch=4, microbatches=2,
-                         planner="etf", steps=1, checkpoint_every=0, progress=False,
-                         projection=False, calibrate=True, workdir=str(tmp_path / "w"))
-  res = runner.run(cfg)
-  assert res["calibration"]["values"]["group_s"] == VALUES["group_s"]
-  parts = res["predicted"]["lockstep_parts_s"]
+                         planner="etf", steps=1, progress=False, projection=False,
+                         calibrate=True, workdir=str(tmp_path / "w"))
+  cfg = runner._resolve(cfg)
+  entry = runner.calibrated(cfg)
+  assert entry["values"]["group_s"] == VALUES["group_s"] and entry["source"] == "measured"
+  _, hybrid, _ = runner.build(cfg, abstract=True, calib=entry)
+  parts = predict.predicted_step_s(hybrid, None, entry["values"])["lockstep_parts_s"]
   # Every group adds group_s (10 ms here, far above any tiny task), and the passes are priced.
   groups = parts["group_sync_s"] / VALUES["group_s"]
-  assert groups >= 1 and groups == pytest.approx(round(groups))
-  assert parts["param_s"] > 0
-  assert res["predicted"]["lockstep_step_s"] >= parts["group_sync_s"] + parts["compute_s"]
-  # Without it: no calibration, no fixed costs priced.
-  plain = runner.run(dataclasses.replace(cfg, calibrate=False, workdir=str(tmp_path / "p")))
-  assert plain["calibration"] is None
-  assert plain["predicted"]["lockstep_parts_s"]["group_sync_s"] == 0
+  assert groups == len(hybrid.program.structure.groups) and parts["param_s"] > 0
+  # Without it: no fixed costs priced.
+  plain = predict.predicted_step_s(hybrid, None)["lockstep_parts_s"]
+  assert plain["group_sync_s"] == 0 and plain["param_s"] == 0
 
 
 def test_calibrate_on_a_one_device_model_axis_is_a_usage_error(known, tmp_path):

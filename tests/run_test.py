@@ -80,6 +80,8 @@ def test_other_models_run_end_to_end(model, tmp_path, deterministic_place):
   pred = res["predicted"]
   assert pred["step_s"] == pytest.approx(pred["lockstep_step_s"] + pred["allreduce_s"])
   assert pred["lockstep_step_s"] > 0 and pred["fused_makespan_s"] > 0
+  # Not calibrated (run.py --calibrate): no measured fixed costs priced.
+  assert res["calibration"] is None and pred["lockstep_parts_s"]["group_sync_s"] == 0
 
 
 def test_a_run_on_one_data_replica_resumes_at_any_zero_stage(tmp_path):
