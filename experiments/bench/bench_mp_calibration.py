@@ -22,19 +22,14 @@ def role_calibrate(work: pathlib.Path) -> None:
   import optax
 
   from jaxhybrid import mesh as mesh_lib
-  from jaxhybrid.costs import calibrate
-  from jaxhybrid.program import group_cost, localcluster, lockstep
+  from jaxhybrid.program import localcluster
+  from jaxhybrid.train import calibration as run_calibration
 
   localcluster.worker_init()
-  link = calibrate.calibrate_link(jax.devices(), repeats=LINK_REPEATS)
-  pc = lockstep.measure_pass_costs(optax.adam(1e-4))
-  groups = group_cost.measure(mesh_lib.make("1x2"), link, steps=GROUP_STEPS)
+  values = run_calibration.measure(mesh_lib.make("1x2"), optax.adam(1e-4),
+                                   link_repeats=LINK_REPEATS, group_steps=GROUP_STEPS)
   if jax.process_index() == 0:
-    (work / "calibration_measured.json").write_text(json.dumps({
-      "link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
-      "update_s_per_byte": pc.update_s_per_byte, "add_s_per_byte": pc.add_s_per_byte,
-      "fill_s_per_byte": pc.fill_s_per_byte, "group_s": groups.group_s,
-      "task_fixed_s": groups.task_fixed_s, "group_fit": groups.to_json()}))
+    (work / "calibration_measured.json").write_text(json.dumps(values))
 
 
 # How bench_mp's calibration is measured: part of its cache key, so a different setup on the same
@@ -97,27 +92,23 @@ def calibration(work: pathlib.Path) -> dict:
 
 
 def link(work: pathlib.Path):
-  from jaxhybrid import costs
+  from jaxhybrid.train import calibration as run_calibration
 
-  v = calibration(work)["values"]
-  return costs.Link(alpha_s=v["link_alpha_s"], bandwidth_bytes_s=v["link_bandwidth_bytes_s"],
-                    source="calibrated ppermute, one-core processes")
+  return run_calibration.link(calibration(work)["values"],
+                              source="calibrated ppermute, one-core processes")
 
 
 def pass_costs(work: pathlib.Path):
-  from jaxhybrid.program import lockstep
+  from jaxhybrid.train import calibration as run_calibration
 
-  v = calibration(work)["values"]
-  return lockstep.PassCosts(update_s_per_byte=v["update_s_per_byte"],
-                            add_s_per_byte=v["add_s_per_byte"],
-                            fill_s_per_byte=v["fill_s_per_byte"], group_s=v["group_s"],
-                            task_fixed_s=v["task_fixed_s"])
+  return run_calibration.pass_costs(calibration(work)["values"])
 
 
 def planner_fixed_costs(work: pathlib.Path) -> dict[str, float]:
   """The calibrated per-group and per-task costs (s) as planner options."""
-  v = calibration(work)["values"]
-  return {"group_s": float(v["group_s"]), "task_fixed_s": float(v["task_fixed_s"])}
+  from jaxhybrid.train import calibration as run_calibration
+
+  return run_calibration.planner_options(calibration(work)["values"])
 
 
 def group_cost_programs() -> str:

@@ -45,15 +45,17 @@ def _pair_mesh(mesh: Any) -> Any:
   return jax.sharding.Mesh(devices.reshape(1, 2), (mesh_lib.DATA, mesh_lib.MODEL))
 
 
-def measure(mesh: Any, optimizer: Any) -> dict[str, Any]:
-  """The three measurements of the module docstring on `mesh`'s first two model devices."""
+def measure(mesh: Any, optimizer: Any, *, link_repeats: int = LINK_REPEATS,
+            group_steps: int = GROUP_STEPS) -> dict[str, Any]:
+  """The three measurements of the module docstring on `mesh`'s first two model devices (every
+  process holding one of them must call it)."""
   from jaxhybrid.costs import calibrate
   from jaxhybrid.program import group_cost, lockstep
 
   pair = _pair_mesh(mesh)
-  link = calibrate.calibrate_link(list(pair.devices.flat), repeats=LINK_REPEATS)
+  link = calibrate.calibrate_link(list(pair.devices.flat), repeats=link_repeats)
   passes = lockstep.measure_pass_costs(optimizer)
-  groups = group_cost.measure(pair, link, steps=GROUP_STEPS)
+  groups = group_cost.measure(pair, link, steps=group_steps)
   return {"link_alpha_s": link.alpha_s, "link_bandwidth_bytes_s": link.bandwidth_bytes_s,
           "update_s_per_byte": passes.update_s_per_byte, "add_s_per_byte": passes.add_s_per_byte,
           "fill_s_per_byte": passes.fill_s_per_byte, "group_s": groups.group_s,
@@ -93,11 +95,11 @@ def load_or_measure(mesh: Any, optimizer: Any, optimizer_name: str, *,
   return {"source": source, "path": str(cache.path(NAME, setup)), **entry}
 
 
-def link(values: dict[str, Any]) -> Any:
+def link(values: dict[str, Any], source: str = "run.py --calibrate") -> Any:
   from jaxhybrid import costs
 
   return costs.Link(alpha_s=values["link_alpha_s"],
-                    bandwidth_bytes_s=values["link_bandwidth_bytes_s"], source="run.py --calibrate")
+                    bandwidth_bytes_s=values["link_bandwidth_bytes_s"], source=source)
 
 
 def pass_costs(values: dict[str, Any]) -> Any:
