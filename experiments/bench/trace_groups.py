@@ -132,9 +132,12 @@ def role_trace(work: pathlib.Path) -> None:
                                                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}))
 
 
-def _trace_file(folder: pathlib.Path) -> str:
-  """The newest perfetto trace under `folder`."""
-  return max(glob.glob(str(folder / "**" / "*perfetto*"), recursive=True), key=os.path.getmtime)
+def _events(folder: pathlib.Path) -> list[dict]:
+  """The events of the newest perfetto trace under `folder`."""
+  path = max(glob.glob(str(folder / "**" / "*perfetto*"), recursive=True), key=os.path.getmtime)
+  with gzip.open(path) as f:
+    events = json.load(f)
+  return events["traceEvents"] if isinstance(events, dict) else events
 
 
 STEP_EVENT = "ThunkExecutor::Execute (wait for completion)"  # one per executed step (XLA:CPU)
@@ -144,10 +147,7 @@ EXECUTE_EVENT = "ThunkExecutor::Execute"  # an execution of thunks (a step, a br
 def _timeline(folder: pathlib.Path) -> tuple[list[tuple[str, float, float]], list[tuple[float, float]]]:
   """Outermost ppermute / conditional / all-reduce events of the executing thread and the
   executed steps' windows, in seconds."""
-  path = _trace_file(folder)
-  with gzip.open(path) as f:
-    events = json.load(f)
-  events = events["traceEvents"] if isinstance(events, dict) else events
+  events = _events(folder)
   by_thread = collections.defaultdict(list)
   for e in events:
     if e.get("ph") == "X" and not e["name"].startswith("end:"):
@@ -290,10 +290,7 @@ def _attributed(folder: pathlib.Path, hlo: pathlib.Path, windows, priced: dict) 
   if not dumps:
     return None
   names = ta.op_names(dumps[-1].read_text())
-  path = _trace_file(folder)
-  with gzip.open(path) as f:
-    events = json.load(f)
-  events = events["traceEvents"] if isinstance(events, dict) else events
+  events = _events(folder)
   steps = [ta.attribute(events, names, w) for w in windows]
   measured = ta.median_over_steps([s["tasks"] for s in steps])
   for key in [k for k in measured if k.startswith("W")]:  # split schedules: B and W as priced
