@@ -96,6 +96,32 @@ def test_the_blend_feeds_the_planner_and_lockstep(tmp_path, monkeypatch):
   assert prob.forward_s == pytest.approx(tuple(fwd))
 
 
+def test_share_from_program_interpolates_and_clips():
+  assert cache_blend.share_from_program(1.0, 2.0, 1.25) == pytest.approx(0.25)
+  assert cache_blend.share_from_program(1.0, 2.0, 0.5) == 0.0  # faster than all warm
+  assert cache_blend.share_from_program(1.0, 2.0, 3.0) == 1.0  # slower than all cold
+  assert cache_blend.share_from_program(1.0, 1.0, 5.0) == 0.0  # the profiles do not differ
+
+
+def test_a_program_anchored_blend_prices_at_the_interpolated_share(tmp_path, monkeypatch):
+  from jaxhybrid.program import lockstep
+
+  _fake_timers(monkeypatch, 0.0)  # the whole-step fit says warm
+  g = _graph()
+  cm = costs.cache_blended(g, flush_bytes=FLUSH, cache_dir=tmp_path, repeats=1, warmup=1,
+                           link=LINK, subtract_dispatch=False, tasks=True)
+  assert cm.cold_share == 0.0
+  anchored = cm.anchored(program_s=0.0175, warm_s=0.015, cold_s=0.025)
+  assert anchored.cold_share == pytest.approx(0.25)
+  assert cm.cold_share == 0.0  # the original blend is unchanged
+  fit = anchored.fit.to_dict()
+  assert fit["anchor"] == "program" and cm.fit.anchor == "whole"
+  assert (fit["program_s"], fit["program_warm_s"], fit["program_cold_s"]) == (0.0175, 0.015, 0.025)
+  assert (fit["warm_sum_s"], fit["cold_sum_s"]) == pytest.approx((0.012, 0.018))
+  fwd, _ = lockstep.task_times(g, anchored)
+  assert fwd == pytest.approx([0.001 * (n.id + 1) * (1 + 0.25 * 0.5) for n in g.nodes])
+
+
 def test_a_fixed_share_skips_the_fit(tmp_path, monkeypatch):
   _fake_timers(monkeypatch, 0.0)
 

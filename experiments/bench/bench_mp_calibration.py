@@ -117,3 +117,40 @@ def group_cost_programs() -> str:
   blocks = "/".join("one per node" if b <= 0 else str(b) for b in group_cost.BLOCKS)
   layers = " and ".join(str(n) for n in group_cost.LAYER_COUNTS)
   return f"chains of {layers} 16-wide layers at {blocks} blocks"
+
+
+def program_anchored(cm, model, loss_fn, batch, graph, k: int, *, pass_costs, schedule,
+                     branch_remat: str, steps: int, warmup: int):
+  """`cm` (a cache-blended profile of `graph`, the micro-batch graph the plans are made from)
+  with its cold share fitted to the model's hybrid program on this process's device with every
+  node on it and `k` micro-batches: timed (median of `steps` after `warmup`), priced with every
+  task warm and every task cold as the plans are priced (`lockstep.plan_step_s`), the share
+  interpolated (`CacheBlendedCostModel.anchored`)."""
+  import statistics
+
+  import jax
+  import optax
+
+  import bench_baselines
+  from jaxhybrid import api, planner
+  from jaxhybrid import mesh as mesh_lib
+  from jaxhybrid.costs import CacheBlendedCostModel
+  from jaxhybrid.program import lockstep
+
+  one = planner.place(graph, cm, devices=1, microbatches=k, method="single")
+  hy = api.parallelize(
+    model, loss_fn, optax.adam(1e-4), batch,
+    mesh=mesh_lib.make("1x1", devices=jax.local_devices()[:1]), microbatches=k, plan=one,
+    program_options={"branch_remat": branch_remat, **({"schedule": schedule} if schedule else {})})
+  times, _, _ = bench_baselines.step_times(lambda st, bt: hy.program.step_fn()(st, bt),
+                                           hy.init(), hy.program.shard_batch(batch), steps, warmup)
+
+  def price(share: float) -> float:
+    blend = CacheBlendedCostModel(cm.warm, cm.cold, cold_share=share)
+    return lockstep.plan_step_s(graph, one, blend, pass_costs=pass_costs,
+                                branch_remat=branch_remat, schedule=schedule).step_s
+
+  out = cm.anchored(statistics.median(times), price(0.0), price(1.0))
+  logging.info("cache blend fitted to the one-device program (%d micro-batches): %s", k,
+               out.fit.to_dict())
+  return out

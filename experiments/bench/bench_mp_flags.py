@@ -57,6 +57,10 @@ flags.DEFINE_boolean("profile_cache_blend", True, "Profile each node back to bac
                      "price it by the one the model's whole step matches (warm when the step is "
                      "no slower than the warm node sum; jaxhybrid.costs.cache_blended; needs a "
                      "flush, --profile_flush_bytes != 0); False: the flushed profile alone.")
+flags.DEFINE_enum("profile_blend_anchor", "program", ["program", "whole"], "What the cache "
+                  "blend's cold share is fitted to: 'program', the model's hybrid program on one "
+                  "device at the plans' micro-batch count, timed and priced warm and cold "
+                  "(interpolated); 'whole', the whole forward + backward step (warm or cold).")
 flags.DEFINE_boolean("profile_under_load", True, "Profile (and plan) while a second process runs the "
                      "model's plain step on the other core, as the program keeps both cores busy.")
 flags.DEFINE_boolean("load_microbatch", False, "The load's plain step takes one micro-batch (b/k "
@@ -165,14 +169,15 @@ def profile_flush_bytes() -> int:
   return FLAGS.profile_flush_bytes
 
 
-def profiled(graph, **kwargs):
+def profiled(graph, cold_share=None, **kwargs):
   """The cost model the `single` role prices with: `costs.cache_blended` under
-  --profile_cache_blend (with a flush), else one `ProfiledCostModel` with --profile_flush_bytes."""
+  --profile_cache_blend (with a flush; `cold_share`: a fixed share, e.g. the one another graph of
+  the model was fitted to), else one `ProfiledCostModel` with --profile_flush_bytes."""
   from jaxhybrid import costs
 
   flush = profile_flush_bytes()
   if FLAGS.profile_cache_blend and flush > 0:
-    return costs.cache_blended(graph, flush_bytes=flush, **kwargs)
+    return costs.cache_blended(graph, flush_bytes=flush, cold_share=cold_share, **kwargs)
   return costs.ProfiledCostModel(graph, flush_bytes=flush, **kwargs)
 
 

@@ -61,16 +61,40 @@ def fit_cold_share(warm_s: float, whole_s: float, margin: float = WARM_MARGIN) -
   return 0.0 if whole_s <= warm_s * (1.0 + margin) else 1.0
 
 
+def share_from_program(warm_s: float, cold_s: float, program_s: float) -> float:
+  """The cold share at which a priced program takes `program_s`, measured: `warm_s` and `cold_s`
+  are its price with every task warm (share 0) and cold (share 1), all else equal. Linear
+  interpolation clipped to [0, 1]; 0 when the two prices are equal (nothing to tell apart).
+
+  The anchor for this is the model's own hybrid program on one device at the plan's micro-batch
+  count (bench_mp's `--profile_blend_anchor=program`): it runs the tasks the plans run, each as
+  its own conditional branch, so unlike the whole step (`fit_cold_share`) no cross-node fusion
+  pulls it below the unfused tasks' time and the interpolation is meaningful.
+  """
+  if cold_s == warm_s:
+    return 0.0
+  return min(1.0, max(0.0, (program_s - warm_s) / (cold_s - warm_s)))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlendFit:
-  """The figures a `CacheBlendedCostModel` fitted its share from (seconds; dispatch subtracted)."""
+  """The figures a `CacheBlendedCostModel` fitted its share from (seconds; dispatch subtracted).
+
+  `anchor`: what the share was fitted to, 'whole' (the whole step, `fit_cold_share`) or
+  'program' (a measured one-device program, `share_from_program`; its step in `program_s`, its
+  price all warm and all cold in `program_warm_s` / `program_cold_s`).
+  """
 
   warm_sum_s: float
   cold_sum_s: float
   whole_s: float
   cold_share: float
+  anchor: str = "whole"
+  program_s: float | None = None
+  program_warm_s: float | None = None
+  program_cold_s: float | None = None
 
-  def to_dict(self) -> dict[str, float]:
+  def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
 
@@ -134,6 +158,17 @@ class CacheBlendedCostModel(CostModel):
       share = fit_cold_share(w, whole) if self._fixed is None else self._fixed
       self._fit = BlendFit(warm_sum_s=w, cold_sum_s=c, whole_s=whole, cold_share=share)
     return self._fit
+
+  def anchored(self, program_s: float, warm_s: float, cold_s: float) -> CacheBlendedCostModel:
+    """A blend of the same two profiles whose share is fitted to a measured program
+    (`share_from_program(warm_s, cold_s, program_s)`; `warm_s` / `cold_s`: that program priced
+    with shares 0 and 1); its `fit` records the anchor beside this model's sums."""
+    share = share_from_program(warm_s, cold_s, program_s)
+    out = CacheBlendedCostModel(self.warm, self.cold, cold_share=share)
+    out._fit = dataclasses.replace(self.fit, cold_share=share, anchor="program",
+                                   program_s=program_s, program_warm_s=warm_s,
+                                   program_cold_s=cold_s)
+    return out
 
   @property
   def cold_share(self) -> float:
