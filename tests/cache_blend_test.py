@@ -120,6 +120,10 @@ def test_a_program_anchored_blend_prices_at_the_interpolated_share(tmp_path, mon
   assert (fit["warm_sum_s"], fit["cold_sum_s"]) == pytest.approx((0.012, 0.018))
   fwd, _ = lockstep.task_times(g, anchored)
   assert fwd == pytest.approx([0.001 * (n.id + 1) * (1 + 0.25 * 0.5) for n in g.nodes])
+  cold = cm.at_share(1.0, "cold")
+  assert cold.cold_share == 1.0 and cold.fit.anchor == "cold" and cold.fit.program_s is None
+  assert cold.fit.whole_s == cm.fit.whole_s
+  assert cold.node_time_s(g.nodes[0]) == pytest.approx(0.004 * 1.5)
 
 
 def test_a_fixed_share_skips_the_fit(tmp_path, monkeypatch):

@@ -10,8 +10,8 @@ bandwidth) and the per-byte update, addition and fill passes. Per model:
    other core meanwhile, as the program keeps both busy) node times are profiled (one core; F
    and B tasks apart, --task_profiles; each timed run after writing 1.5x the host's largest
    cache, --profile_flush_bytes, as a task in the program starts after other work; and again
-   back to back, blended by the time of the model's hybrid program on one device at the plans'
-   micro-batch count, --profile_cache_blend, --profile_blend_anchor, jaxhybrid.costs.cache_blend), the
+   back to back; the plans are priced at the flushed times by default, --profile_share_rule,
+   --profile_cache_blend, jaxhybrid.costs.cache_blend, bench_mp_reprice.py), the
    DLPlacer plan for 2 devices is made from them and weighed against the `dp` and `interleaved`
    heuristic plans by the lock-step model; the plain `jax.jit` single-device step is timed alone;
 2. (2 processes per configuration, started for it and ended after it: one program per process,
@@ -125,9 +125,8 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
                  min_time_s=FLAGS.profile_min_time_s, branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles)
   t0 = time.perf_counter()
   cm.profile_all()  # plan_time_s = profile_s (every F and B task) + place_s
-  if FLAGS.profile_blend_anchor == "program" and hasattr(cm, "anchored"):
-    cm = calib.program_anchored(cm, model, spec.loss_fn, batch, g, k, pass_costs=calib.pass_costs(work),
-                                schedule=_schedule(), branch_remat=FLAGS.branch_remat, steps=FLAGS.steps, warmup=FLAGS.warmup)
+  if hasattr(cm, "at_share"):  # the blend's share: --profile_share_rule
+    cm = calib.share_rule(FLAGS.profile_share_rule, cm, model, spec.loss_fn, batch, g, k, work)
   t1 = time.perf_counter()
   # Plan the kind the program runs ('auto': any, the plan's own schedule runs).
   # Priced with this machine's calibrated per-group and per-task costs, as the program is.
@@ -396,7 +395,8 @@ def _worker_argv(role: str, model: str = "") -> list[str]:
     f"--task_profiles={FLAGS.task_profiles}", f"--profile_warmup_s={FLAGS.profile_warmup_s}",
     f"--profile_min_time_s={FLAGS.profile_min_time_s}",
     f"--profile_flush_bytes={FLAGS.profile_flush_bytes}",
-    f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}", f"--profile_blend_anchor={FLAGS.profile_blend_anchor}",
+    f"--profile_under_load={FLAGS.profile_under_load}", f"--load_microbatch={FLAGS.load_microbatch}",
+    f"--profile_share_rule={FLAGS.profile_share_rule}",
     f"--budget_s={FLAGS.budget_s}", f"--shard_candidate={FLAGS.shard_candidate}",
     f"--batch_candidate={FLAGS.batch_candidate}",
     f"--schedule={FLAGS.schedule}", f"--lane_min_bytes={FLAGS.lane_min_bytes}", f"--group_grad_bytes={FLAGS.group_grad_bytes}",

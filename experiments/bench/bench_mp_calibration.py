@@ -119,6 +119,20 @@ def group_cost_programs() -> str:
   return f"chains of {layers} 16-wide layers at {blocks} blocks"
 
 
+def share_rule(rule: str, cm, model, loss_fn, batch, graph, k: int, work: pathlib.Path):
+  """`cm` (a cache-blended profile of `graph`) at --profile_share_rule's share: 'cold' (1),
+  'whole' (`cm` as fitted to the whole step) or 'program' (`program_anchored`)."""
+  from bench_mp_flags import FLAGS, schedule
+
+  if rule == "cold":
+    return cm.at_share(1.0, "cold")
+  if rule == "whole":
+    return cm
+  return program_anchored(cm, model, loss_fn, batch, graph, k, pass_costs=pass_costs(work),
+                          schedule=schedule(), branch_remat=FLAGS.branch_remat,
+                          steps=FLAGS.steps, warmup=FLAGS.warmup)
+
+
 def program_anchored(cm, model, loss_fn, batch, graph, k: int, *, pass_costs, schedule,
                      branch_remat: str, steps: int, warmup: int):
   """`cm` (a cache-blended profile of `graph`, the micro-batch graph the plans are made from)

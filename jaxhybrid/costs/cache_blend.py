@@ -80,9 +80,9 @@ def share_from_program(warm_s: float, cold_s: float, program_s: float) -> float:
 class BlendFit:
   """The figures a `CacheBlendedCostModel` fitted its share from (seconds; dispatch subtracted).
 
-  `anchor`: what the share was fitted to, 'whole' (the whole step, `fit_cold_share`) or
-  'program' (a measured one-device program, `share_from_program`; its step in `program_s`, its
-  price all warm and all cold in `program_warm_s` / `program_cold_s`).
+  `anchor`: what set the share: 'whole' (the whole step, `fit_cold_share`), 'program' (a
+  measured one-device program, `share_from_program`; its step in `program_s`, its price all warm
+  and all cold in `program_warm_s` / `program_cold_s`) or a caller's fixed rule ('cold').
   """
 
   warm_sum_s: float
@@ -159,16 +159,19 @@ class CacheBlendedCostModel(CostModel):
       self._fit = BlendFit(warm_sum_s=w, cold_sum_s=c, whole_s=whole, cold_share=share)
     return self._fit
 
+  def at_share(self, share: float, anchor: str, **record: float) -> CacheBlendedCostModel:
+    """A blend of the same two profiles at `share`; its `fit` records `anchor` (what set the
+    share) and `record` (BlendFit's program fields) beside this model's sums."""
+    out = CacheBlendedCostModel(self.warm, self.cold, cold_share=share)
+    out._fit = dataclasses.replace(self.fit, cold_share=share, anchor=anchor, **record)
+    return out
+
   def anchored(self, program_s: float, warm_s: float, cold_s: float) -> CacheBlendedCostModel:
     """A blend of the same two profiles whose share is fitted to a measured program
     (`share_from_program(warm_s, cold_s, program_s)`; `warm_s` / `cold_s`: that program priced
     with shares 0 and 1); its `fit` records the anchor beside this model's sums."""
-    share = share_from_program(warm_s, cold_s, program_s)
-    out = CacheBlendedCostModel(self.warm, self.cold, cold_share=share)
-    out._fit = dataclasses.replace(self.fit, cold_share=share, anchor="program",
-                                   program_s=program_s, program_warm_s=warm_s,
-                                   program_cold_s=cold_s)
-    return out
+    return self.at_share(share_from_program(warm_s, cold_s, program_s), "program",
+                         program_s=program_s, program_warm_s=warm_s, program_cold_s=cold_s)
 
   @property
   def cold_share(self) -> float:
