@@ -2,7 +2,8 @@
 the per-byte update, addition and fill times and the fixed costs of one lock-step group and of
 one task beyond the tasks' profiled times and the link (`jaxhybrid.program.group_cost`),
 measured once per machine and setup and cached
-(`jaxhybrid.costs.calibration_cache`), then read by every model's jobs from the workdir."""
+(`jaxhybrid.costs.calibration_cache`), then read by every model's jobs from the workdir; and the
+rule that sets the share between a model's warm and flushed node profiles (`share_rule`)."""
 
 from __future__ import annotations
 

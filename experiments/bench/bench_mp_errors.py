@@ -30,8 +30,10 @@ The row (experiments/results/bench_mp.json holds one per model):
   cold timed run) and, with bench_mp's --profile_cache_blend, `cache_blend` (the micro-batch
   graph the candidates are priced on) and `cache_blend_one_device` (the one-device step's graph):
   `warm_sum_s` and `cold_sum_s` (node times summed, back to back and flushed), `whole_s` (the
-  whole forward + backward back to back) and the `cold_share` they gave (0: warm times, 1: the
-  flushed ones; `jaxhybrid.costs.cache_blend`); null without a blend.
+  whole forward + backward back to back), the `cold_share` the candidates were priced at (0:
+  warm times, 1: the flushed ones; `jaxhybrid.costs.cache_blend`) and `anchor`, the rule that
+  set it (bench_mp's --profile_share_rule: 'cold', 'whole' or 'program', the last with
+  `program_s`, `program_warm_s`, `program_cold_s`); null without a blend.
 - `candidates`: every plan timed on mesh 1x2, best predicted first: `plan_id` (its file in the
   workdir), `method`, `sharded` (made on the graph with shard options), `schedule`, `k`,
   `groups`, `transfers`, `predicted_step_s` (the lock-step price of the program that runs:
