@@ -59,17 +59,18 @@ def reprice_row(work: pathlib.Path, row: dict) -> dict:
            "whole_test": cache_blend.fit_cold_share(fit["warm_sum_s"], fit["whole_s"])}
   if fit.get("anchor", "whole") != "whole":
     rules["run"] = fit["cold_share"]
+  link, passes = calib.link(work), calib.pass_costs(work)
   out = {}
   for rule, share in rules.items():
     cands = []
     for c in row["candidates"]:
       gc = graphs[bool(c["sharded"])]
       cm = costs.cache_blended(
-        gc, flush_bytes=profile_flush_bytes(), cache_dir=work / "profiles", link=calib.link(work),
+        gc, flush_bytes=profile_flush_bytes(), cache_dir=work / "profiles", link=link,
         warmup_s=FLAGS.profile_warmup_s, min_time_s=FLAGS.profile_min_time_s,
         branch_remat=FLAGS.branch_remat, tasks=FLAGS.task_profiles, cold_share=share)
       plan = planner.Plan.load(work / f"{c['plan_id']}.json")
-      t = lockstep.plan_step_s(gc, plan, cm, pass_costs=calib.pass_costs(work),
+      t = lockstep.plan_step_s(gc, plan, cm, pass_costs=passes,
                                branch_remat=FLAGS.branch_remat, schedule=row.get("schedule")).step_s
       if cm.measured:
         raise RuntimeError(f"{c['plan_id']}: a profile was not in {work / 'profiles'}; give the "
