@@ -29,6 +29,12 @@ def test_malloc_tunables_are_merged_not_overwritten():
     t.split("=")[0] for t in localcluster.MALLOC_TUNABLES)
 
 
+def test_single_thread_flags_are_all_flags():
+  # XLA stops reading XLA_FLAGS at the first word that is not a --flag, dropping the rest.
+  words = localcluster.SINGLE_THREAD_XLA_FLAGS.split()
+  assert words and all(w.startswith("--") and "=" in w for w in words), words
+
+
 def test_launch_gives_each_process_its_rank_flags_and_tunable(monkeypatch):
   monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
   results = localcluster.launch(["-c", _SHOW_ENV], 2, timeout_s=120)

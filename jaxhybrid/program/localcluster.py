@@ -29,8 +29,10 @@ ENV_NPROCS = "JAXHYBRID_NPROCS"
 ENV_COORD = "JAXHYBRID_COORDINATOR"
 ENV_CORE = "JAXHYBRID_CORE"
 
-# XLA CPU flags for a one-core device: no Eigen thread pool, one intra-op thread.
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# XLA CPU flags for a one-core device: no Eigen thread pool (the process's core affinity, set
+# by `worker_setup`, does the rest). Every word must be a `--flag`: XLA stops reading XLA_FLAGS
+# at the first word that is not one, so a bare word would silently drop every flag after it.
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 # glibc malloc tunables for the timing processes. XLA's CPU runtime takes a step's large
 # temporaries from malloc; by default glibc serves blocks above its mmap threshold with fresh
