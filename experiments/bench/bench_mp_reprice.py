@@ -15,10 +15,12 @@ error against the run's measured step is reported. Rules: 'warm' (0), 'cold' (1)
 fitted one, 'run' (the share the run priced with). Per model and rule: the share, each
 candidate's (predicted_step_s, measured_step_s, error) and `step_error_mean` (mean |error|);
 `overall` the mean over every candidate of every model, per rule. A profile that is not in the
-workdir's cache is an error (no node is timed again; the dispatch time every cost model takes
-off its profiles is measured afresh in this process, which moves a price by under 1 %: the
-chain's plans re-priced warm came out 0.3-0.6 % from the run's own warm prices). With --append, the rows are added to --out's
-runs (one entry per bench_mp run, its program commit as key).
+workdir's cache is an error (no node is timed again). The dispatch time every cost model takes
+off its profiles is read from the same cache where the run stored it; runs made before it was
+cached have none, and this process measures its own, which moves a price by under 1 % (the
+chain's plans re-priced warm came out 0.3-0.6 % from the run's own warm prices). With --append,
+the rows are added to --out's runs (one entry per bench_mp run, keyed by --run_name or else its
+program commit).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from bench_mp_flags import batch_k, model, profile_flush_bytes  # and bench_mp's
 
 flags.DEFINE_string("results", None, "bench_mp results of the run (its --out).")
 flags.DEFINE_boolean("append", False, "Keep --out's other runs, replacing this run's entry.")
+flags.DEFINE_string("run_name", "", "The run's key in --out (default: its program commit); name "
+                    "two runs of one commit apart, e.g. <commit>-first and <commit>-second.")
 FLAGS = flags.FLAGS
 
 
@@ -103,7 +107,7 @@ def main(argv):
   if FLAGS.out:
     path = pathlib.Path(FLAGS.out)
     runs = json.loads(path.read_text())["runs"] if FLAGS.append and path.exists() else {}
-    runs[",".join(entry["program"]) or "unknown"] = entry
+    runs[FLAGS.run_name or ",".join(entry["program"]) or "unknown"] = entry
     path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -47,7 +47,8 @@ class PlannerOptions:
   seed: int = 0
   # Relative optimality gap at which the MILP may stop early.
   gap: float = 0.01
-  # Per-device memory caps in bytes: one value for all devices, or one per device; DEVICE_MEMORY
+  # Per-device memory caps in bytes: one value for all devices (an int, or a float such as 16e9,
+  # kept as its int), or one per device; DEVICE_MEMORY
   # ('device', the default) = the hardware's device memory when the cost model knows it; None or
   # 0 = no cap.
   memory_caps_bytes: int | tuple[int, ...] | str | None = DEVICE_MEMORY
@@ -315,6 +316,10 @@ class PlannerOptions:
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes
+    if isinstance(caps, float) and not isinstance(caps, bool):  # 16e9 reads as bytes too
+      if not (caps >= 0 and caps != float("inf")):
+        raise ValueError(f"memory_caps_bytes={caps!r}: use a finite number of bytes >= 0.")
+      object.__setattr__(self, "memory_caps_bytes", caps := int(caps))
     if isinstance(caps, str) and caps != DEVICE_MEMORY:
       raise ValueError(f"memory_caps_bytes={caps!r}: use bytes, {DEVICE_MEMORY!r} or None.")
     if caps is not None and not isinstance(caps, (int, str)):
