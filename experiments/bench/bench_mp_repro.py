@@ -1,7 +1,9 @@
 r"""How far two bench_mp runs' figures are apart: is the benchmark's claim reproducible?
 
-    python experiments/bench/bench_mp.py --out=/tmp/first.json --calibration_cache=/tmp/fresh  # measures it
-    python experiments/bench/bench_mp.py --out=/tmp/second.json --calibration_cache=/tmp/fresh # reads it
+    python experiments/bench/bench_mp.py --out=/tmp/first.json --calibration_cache=/tmp/fresh \
+        --workdir=/tmp/work1   # measures the calibration
+    python experiments/bench/bench_mp.py --out=/tmp/second.json --calibration_cache=/tmp/fresh \
+        --workdir=/tmp/work2   # reads it; profiles and plans afresh
     python experiments/bench/bench_mp_repro.py --first=/tmp/first.json --second=/tmp/second.json \
         --out=experiments/results/bench_mp_repro.json
 
