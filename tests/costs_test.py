@@ -359,6 +359,9 @@ def test_dispatch_time_is_cached_with_the_profiles(tmp_path, monkeypatch):
   assert first.node_time_s(n) == pytest.approx(f + b - 2 * 0.001)
   assert second.node_time_s(n) == pytest.approx(f + b - 2 * 0.001)
   assert next(dispatches) == 0.005  # measured once
+  stored = json.loads(first.cache_path.read_text())
+  assert stored["dispatch"][jax.__version__]["raw_s"] == 0.001
+  assert all("raw_s" in e or "forward_raw_s" in e for e in stored["nodes"].values())
   other = tmp_path / "other"  # a cache without it measures its own
   third = costs.ProfiledCostModel(g, cache_dir=other, repeats=1, warmup=1, link=link, tasks=True)
   monkeypatch.setattr(cost_model, "dispatch_time_s", lambda **kw: 0.002)
