@@ -316,7 +316,7 @@ class PlannerOptions:
     if self.transfer_directions < 0:
       raise ValueError(f"transfer_directions={self.transfer_directions!r}: use a value >= 0.")
     caps = self.memory_caps_bytes
-    if isinstance(caps, float) and not isinstance(caps, bool):  # 16e9 reads as bytes too
+    if isinstance(caps, float):  # 16e9 reads as bytes too
       if not (caps >= 0 and caps != float("inf")):
         raise ValueError(f"memory_caps_bytes={caps!r}: use a finite number of bytes >= 0.")
       object.__setattr__(self, "memory_caps_bytes", caps := int(caps))
