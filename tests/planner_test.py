@@ -348,3 +348,11 @@ def test_bad_options_raise_value_errors():
   prob = Problem.build([1], devices=2)
   with pytest.raises(ValueError, match="devices=3"):
     planner.place_problem(prob, planner.PlannerOptions(devices=3))
+
+
+def test_a_float_memory_cap_is_a_byte_count():
+  # 16e9, as a user writes it, is one cap for every device, not a per-device sequence.
+  as_float = planner.PlannerOptions(devices=2, memory_caps_bytes=16e9)
+  assert as_float.memory_caps_bytes == 16_000_000_000 and as_float.caps() == (16e9, 16e9)
+  with pytest.raises(ValueError, match="finite number of bytes"):
+    planner.PlannerOptions(devices=2, memory_caps_bytes=float("nan"))

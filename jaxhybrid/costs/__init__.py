@@ -4,7 +4,7 @@ Owns the cost models (`cost_model`: analytic roofline or profiled per node, cach
 `cache_blend`: profiled back to back and cache-flushed, blended where the model's step sits), the
 link models and alpha-beta formulas (`links`), hardware specs with their sources (`hardware`),
 and measurements on the current backend that fit or check them (`calibrate`), cached per
-machine with their provenance (`calibration_cache`).
+machine with their provenance (`calibration_cache`); `reports` prints a model's node table.
 
 May import: `jaxhybrid.graph`, `jaxhybrid.mesh`; never the program, training or projection.
 """
@@ -20,8 +20,8 @@ from jaxhybrid.costs.cost_model import (
   time_graph,
   time_node,
   time_node_tasks,
-  time_table,
 )
+from jaxhybrid.costs.reports import time_table
 from jaxhybrid.costs.links import (
   Interconnect,
   Link,
