@@ -53,10 +53,10 @@ flags.DEFINE_float("profile_min_time_s", 0.5, "ProfiledCostModel min_time_s: tim
 flags.DEFINE_integer("profile_flush_bytes", -1, "ProfiledCostModel flush_bytes: write this many "
                      "bytes before every timed run (data out of the caches, as in the program); "
                      "-1: 1.5x the host's largest cache (costs.cache_flush_bytes); 0: off.")
-flags.DEFINE_boolean("profile_cache_blend", True, "Profile each node back to back and flushed and "
-                     "price it by the one the model's whole step matches (warm when the step is "
-                     "no slower than the warm node sum; jaxhybrid.costs.cache_blended; needs a "
-                     "flush, --profile_flush_bytes != 0); False: the flushed profile alone.")
+flags.DEFINE_boolean("profile_cache_blend", True, "Profile each node back to back and flushed "
+                     "(jaxhybrid.costs.cache_blended; needs a flush, --profile_flush_bytes != 0), "
+                     "both recorded so a run can be re-priced; --profile_share_rule sets the "
+                     "price. False: the flushed profile alone.")
 flags.DEFINE_enum("profile_share_rule", "cold", ["cold", "whole", "program"], "The share "
                   "between the warm and the cold profile the plans are priced at: 'cold', the "
                   "flushed times (two runs of four models re-priced, bench_mp_reprice.py: mean "
