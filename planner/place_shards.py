@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
@@ -62,9 +63,17 @@ def keeps_sharded(sharded: Plan, whole: Plan, tolerance: float | None = None,
           and _peak(sharded) < _peak(whole) * (1 - saving))
 
 
+# Assumption: the share of `time_limit_s` `place_shard_or_whole` gives each of its two solves (the
+# graph with every leaf whole, then the split graph); `lower_memory`'s re-plans share what is
+# left, so the whole call stays within the limit. (Half each, plus half for each of the three
+# re-plans, planned paper GNMT on 1x4 in 53 s at a 30 s limit.)
+SOLVE_SHARE = 0.3
+
+
 def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts: Any) -> tuple[Plan, bool]:
-  """Plans the graph with shard options and the graph with every leaf whole, each in half the
-  time limit, and keeps the sharded plan (with its graph) as `keeps_sharded` says: faster by more
+  """Plans the graph with shard options and the graph with every leaf whole (each in
+  `SOLVE_SHARE` of the time limit, the rest left to `lower_memory`), and keeps the sharded plan
+  (with its graph) as `keeps_sharded` says: faster by more
   than `spread_tolerance`, or at most that much slower with `shard_min_memory_saving` less memory
   per device. Sharding must earn its place: the
   larger problem's search can end above the placement-only optimum. A problem only the sharded
@@ -73,7 +82,8 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
 
   place = planner.place
   limit = opts.get("time_limit_s", PlannerOptions().time_limit_s)
-  half = dict(opts, time_limit_s=limit / 2)
+  deadline = time.monotonic() + limit
+  half = dict(opts, time_limit_s=limit * SOLVE_SHARE)
   try:
     whole = place(g_whole, costs, devices=devices, **half)
   except InfeasibleError:
@@ -92,7 +102,8 @@ def place_shard_or_whole(g: Any, g_whole: Any, costs: Any, devices: int, **opts:
   chosen = PlannerOptions().replace(
     **{k: v for k, v in opts.items() if k in ("spread_tolerance", "shard_min_memory_saving")})
   tol, saving = chosen.spread_tolerance, chosen.shard_min_memory_saving
-  low = lower_memory(g, costs, devices, sharded, tol, **half)
+  low = lower_memory(g, costs, devices, sharded, tol,
+                     **dict(half, time_limit_s=max(0.0, deadline - time.monotonic())))
   if (keeps_sharded(sharded, whole, tol, graph=g, min_saving=saving)
       or keeps_sharded(low, whole, tol, graph=g, min_saving=saving)):
     return low, True
@@ -109,6 +120,9 @@ BALANCED_WITHIN = 0.10
 # paper BigLSTM 1x8 a 7 GiB cap found a 4.4 GiB plan at the uncapped price, a 5.7 GiB cap one
 # 8 % slower).
 LOWER_MEMORY_STEPS = (0.25, 0.5, 0.75)
+# Assumption: a re-plan of `lower_memory` given less than this (s) is not started (a solve that
+# short finds at best its seed again).
+MIN_REPLAN_S = 0.2
 
 
 def balanced_peak(plan: Plan) -> float:
@@ -142,7 +156,9 @@ def lower_memory(g: Any, costs: Any, devices: int, plan: Plan, tolerance: float,
   slower, while the plan found under a 7 GiB cap priced the same as the 9.2 GiB one). So the
   graph is re-planned under caps between the plan's peak and its balanced figure
   (`balanced_peak`, LOWER_MEMORY_STEPS), keeping the lowest peak priced within the tolerance
-  (of peaks within SAME_PEAK of each other, the faster plan).
+  (of peaks within SAME_PEAK of each other, the faster plan). The re-plans share `time_limit_s`
+  of `opts` (each what is left over the re-plans still to come); none starts with under
+  `MIN_REPLAN_S` left.
   The kept plan reports the caps and bounds of the problem as asked (a bound proven under lower
   caps does not hold without them)."""
   if devices < 2 or tolerance <= 0 or not plan.device_peak_bytes:
@@ -154,12 +170,17 @@ def lower_memory(g: Any, costs: Any, devices: int, plan: Plan, tolerance: float,
   peak, ideal = _peak(plan), balanced_peak(plan)
   if peak <= ideal * (1 + BALANCED_WITHIN):
     return plan
-  for share in LOWER_MEMORY_STEPS:
+  deadline = time.monotonic() + opts.get("time_limit_s", PlannerOptions().time_limit_s)
+  for i, share in enumerate(LOWER_MEMORY_STEPS):
+    left = (deadline - time.monotonic()) / (len(LOWER_MEMORY_STEPS) - i)
+    if left < MIN_REPLAN_S:
+      log.info("memory: %.3g s left for each re-plan, under %g s: stopping", left, MIN_REPLAN_S)
+      break
     cap = peak - share * (peak - ideal)
     caps = tuple(min(c, cap) for c in (plan.memory_caps_bytes or (cap,) * devices))
     try:
       got = planner.place(g, costs, devices=devices, **dict(
-        opts, memory_caps_bytes=caps,
+        opts, memory_caps_bytes=caps, time_limit_s=left,
         seed_assignments=tuple(opts.get("seed_assignments", ())) + (tuple(best.assignment),)))
     except InfeasibleError as e:
       log.info("memory: no plan under %.4g GiB per device (%s)", cap / 2**30, str(e)[:120])

@@ -248,6 +248,7 @@ class _PricedPlan:
   fused_makespan_s: float = 1.0
   gap: float = 0.0
   status: str = "optimal"
+  node_names: tuple = ("a", "b")
 
   def device_memory(self):
     mem = [0.0, 0.0]
@@ -314,3 +315,28 @@ def test_lower_memory_keeps_the_faster_of_plans_with_the_same_peak(monkeypatch):
   got = planner.place_shards.lower_memory(None, None, 2, plan, 0.02)
   assert 14.9 / 15.1 > 1 - planner.place_shards.SAME_PEAK
   assert got.assignment == (1, 0) and got.predicted_step_s == 0.98
+
+
+def test_shard_or_whole_plans_within_its_time_limit(monkeypatch):
+  """The two solves and the memory re-plans together take at most `time_limit_s`, each solve
+  using all of the limit it is given (a clock that only its solves move)."""
+  import types
+
+  from jaxhybrid import planner
+
+  now, limits = [100.0], []
+
+  def place(g, costs, devices, time_limit_s, **opts):
+    limits.append(time_limit_s)
+    now[0] += time_limit_s
+    # Every plan holds both nodes' static bytes on device 0: unbalanced, so re-planned for memory.
+    return _PricedPlan(1.0, (0, 0), (25.0, 25.0))
+
+  monkeypatch.setattr(planner, "place", place)
+  monkeypatch.setattr(planner.place_shards, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+  g = types.SimpleNamespace(nodes=[types.SimpleNamespace(name=n) for n in "ab"], shards=[],
+                            batch_splits=())
+  plan, sharded = planner.place_shard_or_whole(g, g, None, 2, time_limit_s=30.0)
+  assert len(limits) == 2 + len(planner.place_shards.LOWER_MEMORY_STEPS), limits
+  assert all(x > 0 for x in limits) and now[0] - 100.0 == pytest.approx(30.0), limits
+  assert not sharded and plan.assignment == (0, 0)
