@@ -68,3 +68,31 @@ def test_a_failing_process_ends_the_job_at_once():
 def test_a_job_past_its_timeout_is_stopped():
   with pytest.raises(RuntimeError, match="timed out after 1 s"):
     localcluster.launch(["-c", "import time; time.sleep(600)"], 1, timeout_s=1, pin=False)
+
+
+_FIND_SPINNERS = (
+  "import json, os\n"
+  "found = []\n"
+  "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+  "  try:\n"
+  "    cmd = open(f'/proc/{pid}/cmdline').read().rstrip(chr(0)).split(chr(0))\n"
+  "    if cmd[-2:] == ['-c', %r]:\n"
+  "      found.append([os.sched_getscheduler(int(pid)) == os.SCHED_IDLE,\n"
+  "                    sorted(os.sched_getaffinity(int(pid)))])\n"
+  "  except OSError:\n"
+  "    pass\n"
+  "print(json.dumps(sorted(found)))\n"
+) % localcluster.IDLE_SPINNER
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux scheduling only")
+def test_idle_spinners_run_on_each_core_at_idle_priority_while_the_job_runs():
+  import os
+
+  cores = sorted(os.sched_getaffinity(0))[:2]
+  (res,) = localcluster.launch(["-c", _FIND_SPINNERS], 1, timeout_s=120, cores=cores[:1],
+                               idle_spinners=True)
+  assert json.loads(res.stdout) == [[True, cores[:1]]]
+  # Gone once the job has ended; none without the option.
+  (res,) = localcluster.launch(["-c", _FIND_SPINNERS], 1, timeout_s=120, cores=cores[:1])
+  assert json.loads(res.stdout) == []

@@ -68,17 +68,11 @@ import bench_mp_errors
 import bench_mp_flags  # noqa: F401  (defines the flags)
 import provenance
 from absl import app, flags, logging
-from bench_mp_flags import LOCKSTEP_CANDIDATES
-from bench_mp_flags import batch_k as _batch_k
-from bench_mp_flags import blend_fit as _blend_fit
-from bench_mp_flags import load_rows as _load_rows
-from bench_mp_flags import model as _model
-from bench_mp_flags import model_sets as _model_sets
-from bench_mp_flags import overrides as _overrides
-from bench_mp_flags import profile_flush_bytes as _flush_bytes
-from bench_mp_flags import profiled as _profiled
-from bench_mp_flags import pack_max_bytes as _pack_max_bytes
-from bench_mp_flags import schedule as _schedule
+from bench_mp_flags import (LOCKSTEP_CANDIDATES, batch_k as _batch_k, blend_fit as _blend_fit,
+                            load_rows as _load_rows, model as _model, model_sets as _model_sets,
+                            overrides as _overrides, profile_flush_bytes as _flush_bytes,
+                            profiled as _profiled, pack_max_bytes as _pack_max_bytes,
+                            schedule as _schedule)
 
 FLAGS = flags.FLAGS
 
@@ -238,7 +232,7 @@ def _single(work: pathlib.Path, name: str, stop_load) -> None:
     "nodes": len(g.nodes), "batch": b, "microbatches": k, "task_profiles": FLAGS.task_profiles,
     "model_overrides": _model_sets(name) if name != "chain" else _overrides(),
     "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # localcluster.MALLOC_TUNABLES
-    "profiled_under_load": FLAGS.profile_under_load,
+    "profiled_under_load": FLAGS.profile_under_load, "idle_spinners": FLAGS.idle_spinners,
     "load_rows": _load_rows(b, k) if FLAGS.profile_under_load else 0,
     "profile_flush_bytes": _flush_bytes(), "profile_min_time_s": FLAGS.profile_min_time_s,
     "profile_blend": _blend_fit(cm), "profile_blend_one_device": _blend_fit(cm_full),
@@ -358,7 +352,7 @@ def _time_stage(work: pathlib.Path, name: str, t_start: float) -> dict:
   def run(config):
     logging.info("%s: time %s", name, config)
     localcluster.launch(_worker_argv("time", name) + [f"--config={config}"], 2,
-                        timeout_s=_job_s(t_start))
+                        timeout_s=_job_s(t_start), idle_spinners=FLAGS.idle_spinners)
     return json.loads((work / f"time_{name}_{config}.json").read_text())
 
   got = {c: run(c) for c in _configs(n)}
@@ -415,8 +409,9 @@ def driver() -> list[dict]:
     shutil.rmtree(work / "profiles")
   t_start = time.perf_counter()
   calib.calibrate_machine(
-    work, FLAGS.calibration_cache, FLAGS.recalibrate,
-    lambda: localcluster.launch(_worker_argv("calibrate"), 2, timeout_s=_job_s(t_start)))
+    work, FLAGS.calibration_cache, FLAGS.recalibrate, lambda: localcluster.launch(
+      _worker_argv("calibrate"), 2, timeout_s=_job_s(t_start), idle_spinners=FLAGS.idle_spinners),
+    idle_spinners=FLAGS.idle_spinners)
   cases = []
   for name in FLAGS.models:
     why = None
@@ -429,7 +424,8 @@ def driver() -> list[dict]:
         logging.info("%s: profile, plan, time 1 device", name)
         for f in (bench_baselines.LOAD_RUNNING, bench_baselines.LOAD_STOP, bench_baselines.LOAD_STOPPED):
           (work / f.format(name)).unlink(missing_ok=True)
-        localcluster.launch(_worker_argv("single", name), 1 + FLAGS.profile_under_load, timeout_s=_job_s(t_start))
+        localcluster.launch(_worker_argv("single", name), 1 + FLAGS.profile_under_load,
+                            timeout_s=_job_s(t_start), idle_spinners=FLAGS.idle_spinners)
         multi = _time_stage(work, name, t_start)
       except RuntimeError as e:
         why = re.sub(r"\[.*\]", "[...]", str(e).splitlines()[0])  # the job's argv elided

@@ -50,10 +50,10 @@ CALIBRATION_SETUP = {"bench": "bench_mp", "version": 4, "processes": 2,
 
 
 def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
-                      launch: Callable[[], None]) -> dict:
+                      launch: Callable[[], None], idle_spinners: bool = False) -> dict:
   """This machine's calibration: the cached one, or measured by `launch()` (bench_mp's
   `calibrate` role in two pinned processes) and cached. `cache_dir`: '' the default directory,
-  'off' none. Writes work/calibration.json (the entry and where it came from) and
+  'off' none. `idle_spinners`: whether `launch` runs with them (part of the cache key). Writes work/calibration.json (the entry and where it came from) and
   work/link.json."""
   from jaxhybrid.costs import calibration_cache
   from jaxhybrid.program import localcluster
@@ -61,6 +61,8 @@ def calibrate_machine(work: pathlib.Path, cache_dir: str, recalibrate: bool,
   off = cache_dir == "off"
   setup = {**CALIBRATION_SETUP, "glibc_tunables": localcluster.with_malloc_tunables(
     dict(os.environ)).get("GLIBC_TUNABLES", "")}
+  if idle_spinners:  # only when on: the caches measured without keep their keys
+    setup["idle_spinners"] = True
   cache = calibration_cache.CalibrationCache(None if off or not cache_dir else cache_dir,
                                              calibration_cache.machine_fields(backend=False))
   how = (f"ring ppermute of 1 KiB-4 MiB (every factor of 4, median of {LINK_REPEATS} runs per "

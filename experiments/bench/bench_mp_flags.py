@@ -27,6 +27,11 @@ flags.DEFINE_boolean("batch_candidate", False, "Also plan the graph with its big
 flags.DEFINE_integer("autotune", 3, "Time this many distinct candidate plans (best predicted "
                      "first) on the two devices and run the fastest; 1 runs the lock-step "
                      "model's choice untimed against the others.")
+flags.DEFINE_boolean("idle_spinners", False, "Keep a SCHED_IDLE busy loop on each pinned core "
+                     "while the calibration, profiling and timing jobs run, so that a device "
+                     "waiting for a message never leaves its core idle "
+                     "(jaxhybrid.program.localcluster.IDLE_SPINNER); part of the calibration's "
+                     "cache key when on.")
 flags.DEFINE_integer("pack_max_bytes", -1, "A group's transfers below this size share one "
                      "ppermute per direction (-1: the program's DEFAULT_PACK_MAX_BYTES; 0: off).")
 flags.DEFINE_boolean("compare_unpacked", False, "Also time the plan with pack_max_bytes=0 "

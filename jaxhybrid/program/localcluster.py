@@ -53,6 +53,29 @@ MALLOC_TUNABLES = (
 )
 
 
+# Idle spinners (`launch(idle_spinners=True)`): one busy loop per pinned core at the SCHED_IDLE
+# policy, which runs only when nothing else on its core wants to. A device waiting for a message
+# then never leaves its core idle; on a VM without guest halt polling (this project's: kernel
+# command line `haltpoll.guest_halt_poll_ns=0`) an idle vCPU halts, and waking it goes through
+# the host, which a GPU waiting in a collective never pays. An assumption of the CPU stand-in
+# under test, off by default (experiments/bench/pair_times.py times plans with and without).
+IDLE_SPINNER = "while True: pass"
+
+
+def _start_idle_spinners(cores: Sequence[int]) -> list[subprocess.Popen]:
+  """One SCHED_IDLE busy loop pinned to each of `cores` (see IDLE_SPINNER)."""
+
+  def idle_on(core: int):
+    def setup():
+      os.sched_setaffinity(0, {core})
+      os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    return setup
+
+  return [subprocess.Popen([sys.executable, "-c", IDLE_SPINNER], preexec_fn=idle_on(c),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+          for c in sorted(set(cores))]
+
+
 def with_malloc_tunables(env: dict[str, str]) -> dict[str, str]:
   """`env` with MALLOC_TUNABLES added to GLIBC_TUNABLES; a tunable the environment already sets
   (by name) keeps its value."""
@@ -79,6 +102,7 @@ def launch(
   devices_per_process: int = 1,
   pin: bool = True,
   malloc_tunables: bool = True,
+  idle_spinners: bool = False,
 ) -> list[subprocess.CompletedProcess]:
   """Runs `python argv...` as `nprocs` processes of one JAX job on localhost.
 
@@ -90,6 +114,8 @@ def launch(
     devices_per_process: simulated CPU devices per process (1 for timing).
     pin: pin each process to one core with a single-threaded XLA runtime.
     malloc_tunables: start the processes with MALLOC_TUNABLES (see there).
+    idle_spinners: with `pin`, keep a SCHED_IDLE busy loop on each process's core while the job
+      runs (see IDLE_SPINNER); Linux only.
 
   Returns:
     The completed processes (returncode, stdout, stderr), rank order.
@@ -101,6 +127,9 @@ def launch(
   ncpu = os.cpu_count() or 1
   cores = list(cores) if cores is not None else [i % ncpu for i in range(nprocs)]
   with contextlib.ExitStack() as files:
+    if idle_spinners and pin:
+      spinners = _start_idle_spinners([cores[r % len(cores)] for r in range(nprocs)])
+      files.callback(lambda: [(p.kill(), p.wait()) for p in spinners])
     procs = []
     for rank in range(nprocs):
       env = dict(os.environ)
