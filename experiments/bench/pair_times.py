@@ -23,7 +23,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 from absl import app, flags
 
@@ -44,6 +43,7 @@ FLAGS = flags.FLAGS
 
 
 def role_time() -> None:
+  import bench_baselines  # experiments/bench/ (the script's folder)
   import jax
   import optax
 
@@ -62,15 +62,7 @@ def role_time() -> None:
     program_options={"pack_max_bytes": single["pack_max_bytes"],
                      "branch_remat": single["branch_remat"], "schedule": "1f1b"})
   fn, state, shards = hy.program.step_fn(), hy.init(), hy.program.shard_batch(batch)
-  for _ in range(FLAGS.warmup):
-    state, m = fn(state, shards)
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(FLAGS.steps):
-    t0 = time.perf_counter()
-    state, m = fn(state, shards)
-    jax.block_until_ready((state, m))
-    times.append(time.perf_counter() - t0)
+  times, _, _ = bench_baselines.step_times(fn, state, shards, FLAGS.steps, FLAGS.warmup)
   if jax.process_index() == 0:
     pathlib.Path(FLAGS.result).write_text(json.dumps(times))
 
