@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -401,6 +402,9 @@ def parallelize(
     if isinstance(prog_opts.get("schedule"), str):
       # The planner picks the schedule of the kind the program is asked to run (plus order).
       opts.setdefault("schedule_kinds", (prog_opts["schedule"],))
+    limit = float(opts.get("time_limit_s")
+                  or planner_lib.PlannerOptions(devices=max(model_ax, 1)).time_limit_s)
+    deadline = (limit, time.monotonic() + limit)
     try:
       g, plan, check = planned(opts)
     except planner_lib.InfeasibleError as e:
@@ -411,12 +415,15 @@ def parallelize(
     if model_ax > 1:
       # The cap holds for what the program allocates (row padding, group buffers), which the
       # planner's per-device count leaves out: re-plan under lower caps while it is above.
-      def replan(caps: tuple[float, ...]) -> tuple[Any, Any]:
+      def replan(caps: tuple[float, ...], time_limit_s: float) -> tuple[Any, Any]:
         nonlocal check
-        g_, plan_, check = planned({**opts, "memory_caps_bytes": caps})
+        g_, plan_, check = planned(
+          {**opts, "memory_caps_bytes": caps, "time_limit_s": time_limit_s})
         return build(g_, plan_)
 
-      plan, prog, refits = fit_lib.refit(plan, prog, replan, compiled=fit_lib.compiled_bytes)
+      # The re-plans share what is left of the planner's time limit (fit.refit).
+      plan, prog, refits = fit_lib.refit(plan, prog, replan, compiled=fit_lib.compiled_bytes,
+                                         deadline=deadline)
       g = prog.graph
       if check is not None and refits:
         check = dataclasses.replace(check, memory_refits=tuple(refits))

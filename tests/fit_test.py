@@ -223,3 +223,28 @@ def test_the_planner_is_given_the_programs_task_temporaries_when_memory_may_bind
       node_calls.task_temp_bytes(calls, n.id, consts) for n in g.nodes)
     assert len(prob.task_temp_bytes) == len(g.nodes) > 1
     assert max(map(max, prob.task_temp_bytes)) > 0
+
+
+def test_re_plans_share_what_is_left_of_the_time_limit_and_each_gets_at_least_its_floor():
+  # A fake clock moved only by the (fake) re-plans, each using its whole time limit.
+  now = [0.0]
+  given = []
+
+  def replan(caps, time_limit_s):
+    given.append(time_limit_s)
+    now[0] += time_limit_s
+    return FakePlan(caps, (caps[0] * 0.9,) * 2), "prog"
+
+  plan = FakePlan((100 * MiB,) * 2, (95 * MiB, 60 * MiB))
+  # 12 s of a 30 s limit left after the first plan: three re-plans share them, 4 s each.
+  with pytest.raises(InfeasibleError):
+    fit.refit(plan, "prog", replan, measure=lambda p: 110 * MiB, deadline=(30.0, 12.0),
+              clock=lambda: now[0])
+  assert given == pytest.approx([4.0, 4.0, 4.0])
+  assert now[0] == pytest.approx(12.0)
+  # The first plan used the whole limit: each re-plan gets the floor share of it.
+  now[0], given[:] = 30.0, []
+  with pytest.raises(InfeasibleError):
+    fit.refit(plan, "prog", replan, measure=lambda p: 110 * MiB, deadline=(30.0, 30.0),
+              clock=lambda: now[0])
+  assert given == pytest.approx([30.0 * fit.REFIT_MIN_SHARE] * fit.FIT_ATTEMPTS)

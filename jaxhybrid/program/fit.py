@@ -15,12 +15,19 @@ program bytes saved per byte of planner cap in the last re-plan (a secant step; 
 1x8 under 8 GiB: 9.28, 8.58, 8.39 GiB per device after caps lowered by the excess each time, the
 program shrinking by about half of each cut); when no plan fits the lowered caps, half way back
 towards the last caps that had one.
+
+With a `deadline` (the planner's time limit counted from the first plan), the re-plans share
+what is left of it: each gets the time left over the re-plans still allowed, and at least
+`REFIT_MIN_SHARE` of the whole limit (a first plan that used its whole limit leaves nothing, and
+a re-plan without time returns the heuristic's plan only). Planning plus re-plans therefore end
+within the limit, or at most `FIT_ATTEMPTS x REFIT_MIN_SHARE` of it later.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +53,9 @@ FIT_MIN_RATE = 0.25
 # on the high side (10.05 %, GNMT small 1x8 GPipe k=8; a program compiled just under the cap
 # and predicted that much above it would otherwise be re-planned for nothing).
 FIT_COMPILE_BAND = 0.11
+# Assumption, named here: the least share of the planner's time limit a memory re-plan gets,
+# whatever is left of the limit (paper GNMT 1x4: the first plan uses the whole limit).
+REFIT_MIN_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +154,8 @@ def refit(
   measure: Callable[[Any], int] = program_bytes,
   compiled: Callable[[Any], int] | None = None,
   attempts: int = FIT_ATTEMPTS,
+  deadline: tuple[float, float] | None = None,
+  clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Any, Any, list[Refit]]:
   """Re-plans until the program's predicted memory is within the plan's cap.
 
@@ -155,6 +167,10 @@ def refit(
       prediction is above the cap by at most FIT_COMPILE_BAND; that figure then decides. None:
       the prediction alone decides.
     attempts: the most re-plans.
+    deadline: (time limit, the `clock` reading it ends at), seconds: `replan` is then called as
+      `replan(caps, time_limit_s=...)` with its share of what is left (module docstring). None:
+      `replan(caps)`.
+    clock: the clock `deadline` is read on.
 
   Returns:
     (plan, program, checks): the first that fits (or the given ones when no check is due), and
@@ -203,7 +219,12 @@ def refit(
     while True:
       replans += 1
       try:
-        plan, prog = replan(caps)
+        if deadline is None:
+          plan, prog = replan(caps)
+        else:
+          limit, end = deadline
+          share = max((end - clock()) / (attempts - replans + 1), limit * REFIT_MIN_SHARE)
+          plan, prog = replan(caps, time_limit_s=share)
         break
       except InfeasibleError as e:
         if replans == attempts:
