@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 from conftest import LIGHT_DETERMINISTIC_PLANNER
 
@@ -30,6 +31,20 @@ def test_fit_recovers_both_slopes_and_never_makes_groups_or_tasks_faster():
   assert task_s == 0.0 and group_s > 0
   with pytest.raises(ValueError, match="two distinct group counts"):
     group_cost.fit([(4, 3, 10, 1.0, 0.5), (4, 3, 12, 1.1, 0.5)])
+
+
+def test_one_far_program_does_not_set_the_slope_for_all():
+  # Exact points on 0.9 ms a group and 0.1 ms a task, and one long program at three times its
+  # line (a fresh VM's calibration had such a point: 2.1 ms a group there, 0.4-1.0 elsewhere).
+  raw = [(6, 80), (17, 80), (32, 74), (62, 66), (6, 240), (17, 240), (32, 222)]
+  pts = [(g, g - 1, t, 0.002 + 0.0009 * g + 0.0001 * t, 0.0) for g, t in raw]
+  far = (190, 189, 194, 3 * (0.002 + 0.0009 * 190 + 0.0001 * 194), 0.0)
+  group_s, task_s, _ = group_cost.fit(pts + [far])
+  assert group_s == pytest.approx(0.0009, rel=0.05) and task_s == pytest.approx(0.0001, rel=0.2)
+  # Plain least squares over the same points follows the far one.
+  g, t, y = (np.array(c, float) for c in zip(*[(p[0], p[2], p[3]) for p in pts + [far]]))
+  plain = np.linalg.lstsq(np.column_stack([np.ones_like(g), g, t]), y, rcond=None)[0]
+  assert plain[1] > 2 * 0.0009
 
 
 def test_measure_times_one_program_per_chain_and_placement_and_prices_each():
