@@ -26,9 +26,10 @@ tasks never make a step faster). The intercept, the step's own fixed cost, is re
 priced. Why robust: on a fresh VM of this project's kind the 190-group program (the longest
 chain, every node on the other device from its neighbours) ran 2.1 ms a group beyond its price
 while the seven others ran 0.4-1.0 ms; plain least squares, led by that one far point, priced
-2.1 ms a group with a -43 ms intercept, and the uniform chain's plans (about 20 groups) came out
-22-65 % above their measured steps. The Cauchy fit gave 0.91 ms there, and 0.54 ms (plain:
-0.53 ms) on the machine where the eight points lay on a line.
+2.1 ms a group with a -43 ms intercept, and the uniform chain's three plans (10-28 groups) were
+priced 22-65 % above their measured steps. The Cauchy fit gave 0.91 ms there (the same plans
+re-priced: 3-32 % above), and 0.54 ms (plain: 0.53 ms) on the machine where the eight points
+lay on a line.
 """
 
 from __future__ import annotations

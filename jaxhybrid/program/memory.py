@@ -24,9 +24,12 @@ Predicted (bytes per model-axis device; every device holds buffers of the same s
   optimizer-dependent; on the CPU Adam's keeps two row-sized buffers beyond the gradient row);
 - batch: this device's share of the global batch.
 
-Predicted total = parameters + optimizer state + gradients + batch + max(the largest, over
-groups, of a group's peak + its own gradient windows, update_temp): the tail runs after the last
-group, when the groups' buffers are dead.
+Predicted total = parameters + optimizer state + batch + max(the largest, over groups, of a
+group's peak + its own gradient windows + the gradient accumulators alive then, gradients +
+update_temp): an accumulator exists from the group that first returns a gradient for it (under
+GPipe none exists at the turn from forwards to backwards, where the group buffers peak), and
+the tail runs after the last group, when the groups' buffers are dead (`_with_accumulators`;
+under ZeRO stage 2 the gradients count over the whole step).
 
 Compiled: XLA's compile-time memory analysis of the jitted step lowered from abstract inputs
 (`jax.ShapeDtypeStruct` with shardings: nothing is allocated), arguments + temporaries per device.
@@ -80,6 +83,10 @@ class MemoryReport:
   # max over groups of (that group's peak + its own gradient windows): the groups' largest peak
   # and largest windows need not be one group's; None: their sum is used.
   group_total: int | None = None
+  # max over groups of (that group's total + the gradient accumulators alive during it): an
+  # accumulator exists from the group whose conditional first returns a gradient for it (XLA
+  # makes it when the first window is added); None: the whole gradient row counts over the step.
+  group_grad_total: int | None = None
   compiled_arguments: int | None = None
   compiled_temp: int | None = None
   compiled_output: int | None = None
@@ -92,12 +99,12 @@ class MemoryReport:
   def predicted(self) -> int:
     # The tail (optimizer update) runs after every group: its temporaries and the groups' buffers
     # and windows are not alive at the same time.
+    static = self.params + self.optimizer + self.batch + self.model_state
+    if self.group_grad_total is not None:
+      return static + max(self.group_grad_total, self.gradients + self.update_temp)
     peak = self.live_peak if self.group_peak is None else self.group_peak
     groups = peak + self.window if self.group_total is None else self.group_total
-    return (
-      self.params + self.optimizer + self.gradients + self.batch + self.model_state
-      + max(groups, self.update_temp)
-    )
+    return static + self.gradients + max(groups, self.update_temp)
 
   @property
   def compiled(self) -> int | None:
@@ -129,6 +136,8 @@ class MemoryReport:
       ("peak with in-group values", self.live_peak if self.group_peak is None else self.group_peak),
       ("gradient window", self.window), ("optimizer update (compiled)", self.update_temp), ("batch shard", self.batch),
     ]
+    if self.group_grad_total is not None:
+      rows.append(("largest group + accumulators", self.group_grad_total))
     if self.model_state:
       rows.append(("model state (carried)", self.model_state))
     rows.append(("predicted total", self.predicted))
@@ -236,6 +245,62 @@ def param_copies(prog: Any) -> Callable[[int, Any], dict[Any, int]]:
   return lambda d, op: of(op.node, op.kind == "F")
 
 
+def _first_shared_gradient(prog: Any) -> int | None:
+  """The first group whose gradient tasks (W; B when not split) read a shared leaf, or None."""
+  g, lay, st = prog.graph, prog.layout, prog.structure
+  kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
+  for gi, group in enumerate(st.groups):
+    for _, op in group.tasks:
+      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+        continue
+      for v in g.nodes[op.node].invars:
+        if v in kinds and kinds[v][0] == graph_lib.PARAM and lay.owner[kinds[v][1]] < 0:
+          return gi
+  return None
+
+
+def _with_accumulators(
+  during: Sequence[int], after: Sequence[int], per_group: Sequence[Any],
+  row_lengths: Sequence[dict[str, int]], lay: Any, single: dict[str, Any],
+  looked_up: set[str], shared: int, shared_first: int | None, conditionals: bool,
+) -> list[int]:
+  """Per group, its bytes with the gradient accumulators alive then.
+
+  A row's accumulator is made when the first window of it (or, for a looked-up table, the first
+  rows of its gradient) is added, after that group's conditional. The shared leaves' gradients
+  are carried through every conditional that makes gradients; until a task writes one
+  (`shared_first`, the first group that does; None: none does) they are zeros XLA passes
+  around the conditionals, from then on each such conditional makes a copy in its branch (a
+  branch that leaves them as they are returns a copy). So during group g's
+  conditional (`during`: group buffers + in-group values + windows) the accumulators of rows
+  first written before g are alive, and after it (`after`: group buffers + windows) also those
+  first written in g. GNMT small 1x8 GPipe k=8: the groups' largest total is at the turn from
+  forwards to backwards, where almost no accumulator exists yet (XLA's buffer assignment: 7.3 of
+  the 11.4 MB of gradient rows appear after the turn's first backward group).
+  """
+  size = {r: n * np.dtype(row_dtype(r)).itemsize for r, n in lay.sizes}
+  first: dict[str, int] = {}
+  for g, ws in enumerate(per_group):
+    for w in ws or ():
+      first.setdefault(w.row_key, g)
+  for g, lengths in enumerate(row_lengths):
+    for r in looked_up:
+      if row_dtype(r) in lengths:
+        first.setdefault(r, g)
+  start = len(per_group) if shared_first is None else shared_first
+
+  def alive(g: int) -> int:
+    rows = sum(size[r] for r, g0 in first.items() if g0 <= g and r not in single and r in size)
+    return rows + (shared if g >= start else 0)
+
+  out = []
+  for g, (a, b) in enumerate(zip(during, after)):
+    # The carried shared gradients' copy (no conditional on one model device).
+    copy = shared if conditionals and per_group[g] is not None and g >= start else 0
+    out.append(max(a + alive(g - 1) + copy, b + alive(g)))
+  return out
+
+
 def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   """Predicted (and, with `compile`, XLA-compiled) per-device memory of `prog`'s step."""
   lay = prog.layout
@@ -324,12 +389,20 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   inner = group_bytes.in_group_bytes(
     prog.structure, lambda op: temps[op.node][0 if op.kind == "F" else 1],
     copies=param_copies(prog))
+  totals = [a + b + w for a, b, w in zip(live, inner, windows)]
+  grad_totals = None
+  if zero != 2:
+    grad_totals = _with_accumulators(
+      totals, [a + w for a, w in zip(live, windows)], per_group, row_lengths, lay, single,
+      gradients.looked_up_rows(prog.structure, prog.graph, lay, lookups), shared,
+      _first_shared_gradient(prog), M > 1)
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device,
     gradients=params - single_bytes if zero != 2 else row_bytes // W + shared,
     live_peak=max(live, default=0), window=window,
     group_peak=max((a + b for a, b in zip(live, inner)), default=0),
-    group_total=max((a + b + w for a, b, w in zip(live, inner, windows)), default=0),
+    group_total=max(totals, default=0),
+    group_grad_total=None if grad_totals is None else max(grad_totals, default=0),
     update_temp=update_temp_bytes(
       prog.optimizer, lay, last.length if last else 0, last.row_key if last else None,
       data_shards=W if zero else 1, zero=zero, zero_cuts=prog.zero_cuts if zero else None),
