@@ -47,6 +47,28 @@ def test_measured_once_then_read_from_the_cache(known):
   assert calibration.link(again["values"]).alpha_s == 2e-4
 
 
+def test_a_cached_entry_is_priced_by_this_version_s_fit_of_its_points(known, monkeypatch):
+  import optax
+
+  from jaxhybrid.program import group_cost
+
+  # Points on 1 ms a group and 0.2 ms a task (measured - priced; priced 0).
+  points = [[g, g - 1, t, 0.003 + 0.001 * g + 0.0002 * t, 0.0]
+            for g, t in ((6, 40), (17, 40), (32, 90), (62, 70))]
+  stale = dict(VALUES, group_s=0.5, task_fixed_s=0.5, group_fit={"points": points})
+  monkeypatch.setattr(calibration, "measure", lambda mesh, optimizer: dict(stale))
+  mesh = mesh_lib.make("1x2")
+  for source in ("measured", "cache"):
+    got = calibration.load_or_measure(mesh, optax.adam(1e-3), "adam")
+    assert got["source"] == source
+    want = group_cost.fit([tuple(p) for p in points])
+    assert (got["values"]["group_s"], got["values"]["task_fixed_s"]) == want[:2]
+    assert got["values"]["group_s"] == pytest.approx(0.001)
+    assert got["values"]["group_fit"]["points"] == points
+  # Without points (an entry from before they were kept): as stored.
+  assert calibration.refit_groups(dict(VALUES)) == VALUES
+
+
 def test_a_model_axis_of_one_is_refused(known):
   import optax
 

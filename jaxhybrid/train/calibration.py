@@ -89,10 +89,27 @@ def load_or_measure(mesh: Any, optimizer: Any, optimizer_name: str, *,
   entry, measured = cache.get_or_measure(NAME, lambda: measure(mesh, optimizer), setup, how,
                                          refresh=refresh)
   source = "measured" if measured else "cache"
+  entry = {**entry, "values": refit_groups(entry["values"])}
   log.info("calibration (%s): group %.3g s, task %.3g s, link alpha %.3g s", source,
            entry["values"]["group_s"], entry["values"]["task_fixed_s"],
            entry["values"]["link_alpha_s"])
   return {"source": source, "path": str(cache.path(NAME, setup)), **entry}
+
+
+def refit_groups(values: dict[str, Any]) -> dict[str, Any]:
+  """`values` with the per-group and per-task costs fitted again, by this version's
+  `group_cost.fit`, to the programs' points the entry recorded (`group_fit.points`): the points
+  are the measurement, the fit is the model's, so a cached entry is priced as a new one would
+  be. Values without points are returned as they are."""
+  from jaxhybrid.program import group_cost
+
+  points = (values.get("group_fit") or {}).get("points")
+  if not points:
+    return values
+  group_s, task_fixed_s, intercept = group_cost.fit([tuple(p) for p in points])
+  fitted = {"group_s": group_s, "task_fixed_s": task_fixed_s}
+  return {**values, **fitted, "group_fit": {**values["group_fit"], **fitted,
+                                            "intercept_s": intercept}}
 
 
 def link(values: dict[str, Any], source: str = "run.py --calibrate") -> Any:
