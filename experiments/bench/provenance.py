@@ -17,8 +17,10 @@ def program_commit() -> str | None:
   try:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=_HERE, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jaxhybrid", "planner", "models"],
-                           capture_output=True, text=True, check=True, cwd=_HERE).stdout.strip()
+    # Top-level pathspecs (':/'): the script's folder is not the repository's root.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", ":/jaxhybrid", ":/planner",
+                            ":/models"], capture_output=True, text=True, check=True,
+                           cwd=_HERE).stdout.strip()
     return out + ("+changes" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return None
