@@ -63,6 +63,12 @@ class Window:
     return out
 
 
+def makes_gradients(op: Any, split: bool) -> bool:
+  """Whether task `op` makes parameter gradients: a W task, or a B task when the schedule does
+  not split B from W."""
+  return op.kind == "W" or (op.kind == "B" and not split)
+
+
 def _lookup_tables(lookups: Callable[[int], Sequence[Any]] | None, nid: int) -> set[int]:
   return set() if lookups is None else {lk.arg for lk in lookups(nid)}
 
@@ -93,7 +99,7 @@ def gradient_windows(
     touched: dict[tuple[str, int], set[int]] = {}
     has = False
     for d, op in lay.tasks:
-      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+      if not makes_gradients(op, st.schedule.split):
         continue
       has = True
       tables = _lookup_tables(lookups, op.node)
@@ -146,7 +152,7 @@ def _looked_up(st: tasks_lib.Structure, graph: graph_lib.OpGraph, layout: ParamL
   for lay in st.groups:
     out = []
     for d, op in lay.tasks:
-      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+      if not makes_gradients(op, st.schedule.split):
         continue
       node = graph.nodes[op.node]
       for lk in lookups(op.node):

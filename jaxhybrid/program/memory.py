@@ -251,7 +251,7 @@ def _first_shared_gradient(prog: Any) -> int | None:
   kinds = dict(zip(g.jaxpr.invars, g.input_kinds))
   for gi, group in enumerate(st.groups):
     for _, op in group.tasks:
-      if not (op.kind == "W" or (op.kind == "B" and not st.schedule.split)):
+      if not gradients.makes_gradients(op, st.schedule.split):
         continue
       for v in g.nodes[op.node].invars:
         if v in kinds and kinds[v][0] == graph_lib.PARAM and lay.owner[kinds[v][1]] < 0:
@@ -276,9 +276,9 @@ def _with_accumulators(
   conditional (`during`: group buffers + in-group values + windows) the accumulators of rows
   first written before g are alive, and after it (`after`: group buffers + windows) also those
   first written in g (on one model device, without conditionals, during g too). GNMT small 1x8
-  GPipe k=8: the groups' largest total is at the turn from
-  forwards to backwards, where almost no accumulator exists yet (XLA's buffer assignment: 7.3 of
-  the 11.4 MB of gradient rows appear after the turn's first backward group).
+  GPipe k=8: the groups' largest total is at the turn from forwards to backwards, where almost
+  no accumulator exists yet (XLA's buffer assignment: 7.3 of the 11.4 MB of gradient rows appear
+  after the turn's first backward group).
   """
   size = {r: n * np.dtype(row_dtype(r)).itemsize for r, n in lay.sizes}
   first: dict[str, int] = {}
@@ -332,8 +332,8 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   ring = zero_lib.ring_scatter(prog.mesh)
 
   # Rows given whole by one window (no zero accumulator; executor.run_groups): outside ZeRO.
-  single = {} if zero else gradients.single_window_rows(
-    all_windows, lay, exclude=gradients.looked_up_rows(prog.structure, prog.graph, lay, lookups))
+  looked_up = gradients.looked_up_rows(prog.structure, prog.graph, lay, lookups)
+  single = {} if zero else gradients.single_window_rows(all_windows, lay, exclude=looked_up)
   single_bytes = sum(w.nbytes for w in single.values())
 
   def group_rows(lengths: dict[str, int]) -> int:
@@ -394,8 +394,7 @@ def report(prog: Any, *, compile: bool = True) -> MemoryReport:
   if zero != 2:
     grad_totals = _with_accumulators(
       totals, [a + w for a, w in zip(live, windows)], per_group, row_lengths, lay, single,
-      gradients.looked_up_rows(prog.structure, prog.graph, lay, lookups), shared,
-      _first_shared_gradient(prog), M > 1)
+      looked_up, shared, _first_shared_gradient(prog), M > 1)
   return MemoryReport(
     devices=M, params=params, optimizer=opt_per_device,
     gradients=params - single_bytes if zero != 2 else row_bytes // W + shared,
