@@ -40,6 +40,7 @@ from jaxhybrid.planner.pricing import price as price_lib
 from jaxhybrid.planner.core import schedule as sched
 from jaxhybrid.planner.lower_bounds.bounds import audited_bound
 from jaxhybrid.planner.core.clock import Clock as _Clock
+from jaxhybrid.planner.core import options as options_lib
 from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions, as_options
 from jaxhybrid.planner.place_lockstep import REMEDY as _REMEDY
 from jaxhybrid.planner.place_lockstep import lockstep as _lockstep
@@ -87,7 +88,10 @@ def place(
 
 def _held(problem: Problem) -> str:
   b = problem.held_bytes
-  return f" after the {b:.0f} every device holds (batch, a gradient task's copies)" if b else ""
+  if not b:
+    return ""
+  return (f" after the {options_lib.size_text(b)} every device holds (batch, a gradient task's "
+          "copies)")
 
 
 def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> None:
@@ -99,19 +103,21 @@ def _check_memory(problem: Problem, k: int, caps: tuple[float, ...] | None) -> N
   biggest = max(range(problem.num_nodes), key=lambda i: mem[i], default=None)
   if biggest is not None and mem[biggest] > max(caps):
     raise InfeasibleError(
-      f"Node {problem.names[biggest]!r} needs {mem[biggest]:.0f} bytes with {max(k, 1)} "
+      f"Node {problem.names[biggest]!r} needs {options_lib.size_text(mem[biggest])} with "
+      f"{max(k, 1)} "
       f"micro-batch(es) alive; "
-      f"the largest device cap is {max(caps):.0f} bytes{_held(problem)} "
-      f"({mem[biggest] - max(caps):.0f} short): "
+      f"the largest device cap is {options_lib.size_text(max(caps))}{_held(problem)} "
+      f"({options_lib.size_text(mem[biggest] - max(caps))} short): "
       f"{_REMEDY}"
     )
   if k == 0:  # F/B/W: residuals need not all be alive at once; the static bytes must fit
     mem = tuple(float(b) for b in problem.static_bytes)
   if sum(mem) > sum(caps):
     raise InfeasibleError(
-      f"The graph needs {sum(mem):.0f} bytes "
+      f"The graph needs {options_lib.size_text(sum(mem))} "
       f"({f'{k} micro-batch(es) alive' if k else 'static'}); the {problem.devices} "
-      f"devices hold {sum(caps):.0f} bytes{_held(problem)} ({sum(mem) - sum(caps):.0f} short): "
+      f"devices hold {options_lib.size_text(sum(caps))}{_held(problem)} "
+      f"({options_lib.size_text(sum(mem) - sum(caps))} short): "
       f"{_REMEDY}"
     )
 
@@ -196,7 +202,8 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
     )
     if relaxation.bound == float("inf"):
       raise InfeasibleError(
-        f"No placement fits the memory caps {caps} (per-device bytes) with {k} micro-batches; "
+        f"No placement fits the memory caps of {options_lib.describe_caps(caps)} with {k} "
+        "micro-batches; "
         "raise the caps or use fewer micro-batches."
       )
     proven["relaxation"] = relaxation.bound
@@ -220,9 +227,9 @@ def place_problem(problem: Problem, options: PlannerOptions | None = None) -> Pl
       report("cpsat", min(local.makespan, found_cp.candidate.makespan), lower)
   if not found:
     raise InfeasibleError(
-      "No heuristic found a placement within the memory caps "
-      f"{caps} (per-device bytes); the MILP is not attempted without a warm start. Needs: "
-      f"{sum(problem.memory_bytes(k)):.0f} bytes in total."
+      "No heuristic found a placement within the memory caps of "
+      f"{options_lib.describe_caps(caps)}; the MILP is not attempted without a warm start. "
+      f"Needs: {options_lib.size_text(sum(problem.memory_bytes(k)))} in total."
     )
   heuristics = {name: c.makespan for name, c in found.items()}
   best_name = min(found, key=lambda n: found[n].makespan)

@@ -14,6 +14,7 @@ from jaxhybrid.planner.search import heuristics as heur
 from jaxhybrid.planner.pricing import price as price_lib
 from jaxhybrid.planner.lower_bounds.bounds import audited_bound
 from jaxhybrid.planner.core.clock import MIN_PHASE_S, Clock
+from jaxhybrid.planner.core import options as options_lib
 from jaxhybrid.planner.core.options import InfeasibleError, PlannerOptions
 from jaxhybrid.planner.core.problem import Problem
 
@@ -201,7 +202,8 @@ def short_message(
       short = min(short, max(m - c for m, c in zip(mem, caps or mem)))
   # The figure is the planner's memory model over the placements priced here, not a bound: a
   # placement not among them, or the compiled program, can come closer (`program.fit`).
-  return (f"No placement and task schedule fits the memory caps {caps} (bytes per device) with "
-          f"{k} micro-batch(es): of the {len(tried)} placements priced for this message, the "
-          f"closest needs {short:.0f} bytes more on its fullest device by the planner's memory "
-          f"model; {REMEDY}")
+  return (f"No placement and task schedule fits the memory caps of "
+          f"{options_lib.describe_caps(caps)} with {k} micro-batch(es): of the {len(tried)} "
+          f"placements priced for this message, the closest needs {options_lib.size_text(short)} "
+          "more "
+          f"on its fullest device by the planner's memory model; {REMEDY}")

@@ -154,3 +154,24 @@ def test_the_guides_names_resolve_after_import_jaxhybrid():
   assert jaxhybrid.models.biglstm.BigLSTMConfig.tiny().num_layers >= 1
   with pytest.raises(AttributeError, match="no attribute 'not_a_module'"):
     jaxhybrid.program.not_a_module
+
+
+def test_dry_run_under_a_cap_nothing_meets_shows_the_plan_made_for_the_hardware(tmp_path):
+  """No plan under --memory_cap_gib: the table is the plan made under the hardware's memory
+  (which still splits and spreads to fit it), and the one-line error says so and what to try."""
+  from jaxhybrid.train import dry_run
+
+  config = runner.RunConfig(model="biglstm", size="tiny", mesh="1x2", microbatches=2,
+                            planner="dp", dry_run=True, workdir=str(tmp_path), progress=False,
+                            hardware="dgx1-v100", memory_cap_gib=0.0001)
+  r = dry_run.run(config)
+  assert not r["fits"] and r["planner_error"]
+  assert r["plan_shown"].startswith("no plan found under the 104.86 KiB cap; below: the plan "
+                                    "made under the dgx1-v100 memory (16.00 GiB per device)")
+  assert r["memory_table"].startswith(r["plan_shown"])
+  assert r["plan"]["memory_caps_bytes"] == [16 * 2**30] * 2
+  msg = r["does_not_fit"]
+  assert "\n" not in msg and msg.startswith("does not fit: every model-axis device needs ")
+  assert ("of 104.86 KiB (--memory_cap_gib) in the plan shown (table above); the planner found "
+          "no plan within the cap (node ") in msg
+  assert "--mesh=1x4" in msg and "--batch_split --batch_split_params=split" in msg

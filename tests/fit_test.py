@@ -167,6 +167,40 @@ def test_when_the_capped_search_finds_nothing_an_uncapped_plan_that_compiles_wit
   assert fit.compiled_bytes(hy.program) <= cap_bytes
 
 
+def test_a_plan_made_under_the_hardwares_memory_is_tried_before_one_with_no_cap(monkeypatch,
+                                                                               caplog):
+  """The search finds nothing under the user's cap but does under the hardware's memory: that
+  plan is kept when its program compiles within the user's cap, and no uncapped plan is made."""
+  import optax
+  import toy
+  from conftest import LIGHT_DETERMINISTIC_PLANNER
+  from flax import nnx
+
+  from jaxhybrid import api
+  from jaxhybrid import planner as planner_lib
+
+  real, asked = planner_lib.place, []
+  hardware = 16 * 2**30  # dgx1-v100
+
+  def place(g, costs, **kw):
+    cap = kw.get("memory_caps_bytes")
+    asked.append(cap)
+    if cap is not None and (cap[0] if isinstance(cap, tuple) else cap) < hardware:
+      raise InfeasibleError("no placement fits the memory caps (the test's search)")
+    return real(g, costs, **kw)
+
+  monkeypatch.setattr(planner_lib, "place", place)
+  hy = api.parallelize(
+    toy.Towers(rngs=nnx.Rngs(0)), toy.mse_nnx, optax.sgd(0.1), toy.regression_batch(8),
+    mesh="1x2", microbatches=1, hardware="dgx1-v100",
+    planner_options={**LIGHT_DETERMINISTIC_PLANNER, "shard_rules": (),
+                     "memory_caps_bytes": 2**30})
+  assert asked[:2] == [2**30, hardware]
+  assert "the plan made under the hardware's 16.00 GiB compiles to" in caplog.text
+  assert hy.plan.memory_caps_bytes == (2**30, 2**30)
+  assert fit.compiled_bytes(hy.program) <= 2**30
+
+
 def test_the_dry_run_table_says_when_its_plan_was_made_without_the_cap():
   import types
 

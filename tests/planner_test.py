@@ -104,9 +104,9 @@ def test_memory_cap_forces_a_split():
 
 def test_memory_infeasible_raises_typed_error_with_the_shortfall():
   prob = Problem.build([1, 1], [(0, 1)], devices=2, memory_bytes=[10, 30])
-  with pytest.raises(planner.InfeasibleError, match="n1.*30 bytes.*5 short"):
+  with pytest.raises(planner.InfeasibleError, match="n1.*30 bytes.*5 bytes short"):
     planner.place_problem(prob, planner.PlannerOptions(devices=2, memory_caps_bytes=25))
-  with pytest.raises(planner.InfeasibleError, match="10 short"):
+  with pytest.raises(planner.InfeasibleError, match="10 bytes short"):
     planner.place_problem(prob, planner.PlannerOptions(devices=2, memory_caps_bytes=(20, 20)))
 
 
@@ -125,6 +125,18 @@ def test_lockstep_shortfall_message_says_what_it_priced():
                   r"bytes more on its fullest device by the planner's memory model", msg)
   assert got and int(got.group(1)) == n
   assert int(got.group(2)) >= 10  # node 1 alone is 30 bytes against a cap of 20
+  assert "memory caps of 20 bytes per device" in msg
+
+
+def test_memory_figures_in_messages_are_in_readable_units():
+  from jaxhybrid.planner.core import options
+
+  assert options.size_text(5.5 * 2**30) == "5.50 GiB"
+  assert options.size_text(110 * 2**20) == "110.00 MiB"
+  assert options.size_text(30) == "30 bytes"
+  assert options.describe_caps((5.5 * 2**30,) * 8) == "5.50 GiB per device"
+  assert options.describe_caps((2**30, 2 * 2**30)) == "(1.00 GiB, 2.00 GiB) per device"
+  assert options.describe_caps(()) == "no cap"
 
 
 def test_pipelining_credits_splitting_a_layer_stack():

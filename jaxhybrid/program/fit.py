@@ -245,11 +245,13 @@ def refit(
 
 def uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Callable, build: Callable,
                         device_memory_bytes: int, devices: int) -> tuple[Any, Any, Any, Any]:
-  """When the planner finds no plan under the memory caps (`error`): the plan made without caps,
-  if its program compiles within them, as (graph, plan, check, program); else `error` is raised.
-  The planner's search under a cap can miss a plan its own model would nearly accept: paper
-  BigLSTM 1x8 with batch and leaf splits under 5 GiB, the closest placement it priced 6.6 GB
-  over by its model, while the uncapped plan compiled to 4.97 GiB. `planned(opts)` and `build(graph, plan)` are
+  """When the planner finds no plan under the memory caps (`error`): a plan made under looser
+  caps, if its program compiles within the caps, as (graph, plan, check, program); else `error`
+  is raised. Tried in order: the hardware's own memory (when the caps asked for are below it;
+  the planner still splits and spreads to fit that), then no cap. The planner's search under a
+  cap can miss a plan its own model would nearly accept: paper BigLSTM 1x8 with batch and leaf
+  splits under 5 GiB, the closest placement it priced 6.6 GB over by its model, while the
+  uncapped plan compiled to 4.97 GiB. `planned(opts)` and `build(graph, plan)` are
   `parallelize`'s planning and building steps; `device_memory_bytes` is the hardware's memory,
   the caps under the planner's default."""
   from jaxhybrid.planner.core import options as options_lib
@@ -259,12 +261,20 @@ def uncapped_if_it_fits(error: Exception, opts: dict[str, Any], planned: Callabl
   ).caps(device_memory_bytes)
   if not caps:
     raise error
-  g, plan, check = planned({**opts, "memory_caps_bytes": None})
-  plan, prog = build(g, plan)
-  need = compiled_bytes(prog)
-  if need > min(caps):
-    raise error
-  log.warning("no plan under the memory cap in the planner's search; the plan made without it "
-              "compiles to %.2f GiB per device, within the %.2f GiB cap", need / GiB,
-              min(caps) / GiB)
-  return g, dataclasses.replace(plan, memory_caps_bytes=tuple(caps)), check, prog
+  looser = [None]
+  if device_memory_bytes and min(caps) < device_memory_bytes:
+    looser.insert(0, int(device_memory_bytes))
+  for cap in looser:
+    try:
+      g, plan, check = planned({**opts, "memory_caps_bytes": cap})
+    except options_lib.InfeasibleError:
+      continue
+    plan, prog = build(g, plan)
+    need = compiled_bytes(prog)
+    if need <= min(caps):
+      made = "without it" if cap is None else f"under the hardware's {_size(cap)}"
+      log.warning("no plan under the memory cap in the planner's search; the plan made %s "
+                  "compiles to %.2f GiB per device, within the %.2f GiB cap", made, need / GiB,
+                  min(caps) / GiB)
+      return g, dataclasses.replace(plan, memory_caps_bytes=tuple(caps)), check, prog
+  raise error

@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxhybrid import errors
 from jaxhybrid import mesh as mesh_lib
+from jaxhybrid.planner.core.options import size_text
 from jaxhybrid.train import memory_check
 
 
@@ -50,18 +51,15 @@ def run(config: Any) -> dict[str, Any]:
   config = runner._resolve(config)  # noqa: SLF001 (the run's own defaults)
   runner.validate(config)
   os.makedirs(config.workdir, exist_ok=True)
-  try:
-    _, hybrid, _ = runner.build(config, abstract=True)
-    planner_error = None
-  except errors.DoesNotFitError as e:
-    # Plan without caps: the table then shows what the model needs on these devices.
-    planner_error = str(e)
-    _, hybrid, _ = runner.build(config, abstract=True, uncapped=True)
-  report = hybrid.program.memory()
   capacity = hw_lib.get(hw_name).memory_bytes
-  if getattr(config, "memory_cap_gib", None):  # the user's budget per device, not the hardware's
-    capacity = min(capacity, config.memory_cap_gib * 2**30)
+  user_cap = getattr(config, "memory_cap_gib", None)
+  if user_cap:  # the user's budget per device, not the hardware's
+    capacity = min(capacity, user_cap * 2**30)
+  hybrid, planner_error, shown = _closest_plan(config, runner, hw_lib.get(hw_name).memory_bytes)
+  report = hybrid.program.memory()
   table = report.table(capacity)
+  if shown:
+    table = shown + "\n" + table
   fits = report.fits(capacity) and planner_error is None
   plan_memory = _plan_memory(hybrid.plan, report, getattr(hybrid.check, "memory_refits", ()))
   if plan_memory["lines"]:
@@ -89,10 +87,11 @@ def run(config: Any) -> dict[str, Any]:
     "fits": fits,
     # The planner's own reason under the cap (the table is then the uncapped plan's).
     "planner_error": planner_error,
+    # Which plan the table shows when none was found under the cap ('' when it is the capped one).
+    "plan_shown": shown,
     "does_not_fit": None if fits else _advice(
       config, report, capacity, hybrid.plan, hybrid.mesh.shape[mesh_lib.DATA],
-      hybrid.mesh.shape[mesh_lib.MODEL])
-    + (f" (the plan under the cap: {planner_error})" if planner_error else ""),
+      hybrid.mesh.shape[mesh_lib.MODEL], planner_error),
     "mesh": {"data": hybrid.mesh.shape[mesh_lib.DATA], "model": hybrid.mesh.shape[mesh_lib.MODEL]},
   }
   try:
@@ -106,9 +105,36 @@ def run(config: Any) -> dict[str, Any]:
   return results
 
 
-def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: int) -> str:
-  """One line: which model-axis devices do not fit, by how much, and what to try."""
+def _closest_plan(config: Any, runner: Any, hardware_bytes: int) -> tuple[Any, str | None, str]:
+  """(hybrid, the planner's error under the cap or None, a line naming the plan shown or '').
+
+  When the planner finds no plan under the user's --memory_cap_gib, the table shows the plan
+  made under the hardware's own memory (the planner then still splits and spreads to fit it:
+  paper BigLSTM 1x8 compiles to 5.80 GiB per device under the V100's 16 GiB, 12.13 GiB with no
+  cap), and only when none fits that either, the plan made with no cap."""
+  try:
+    _, hybrid, _ = runner.build(config, abstract=True)
+    return hybrid, None, ""
+  except errors.DoesNotFitError as e:
+    planner_error = str(e)
   gib = float(1 << 30)
+  user_cap = getattr(config, "memory_cap_gib", None)
+  if user_cap and user_cap * gib < hardware_bytes:
+    try:
+      _, hybrid, _ = runner.build(dataclasses.replace(config, memory_cap_gib=None), abstract=True)
+      return hybrid, planner_error, (
+        f"no plan found under the {size_text(user_cap * gib)} cap; below: the plan made under "
+        f"the {config.hardware} memory ({size_text(hardware_bytes)} per device)")
+    except errors.DoesNotFitError:
+      pass
+  _, hybrid, _ = runner.build(config, abstract=True, uncapped=True)
+  return hybrid, planner_error, ("no plan found under the memory cap; below: the plan made with "
+                                 "no cap")
+
+
+def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: int,
+            planner_error: str | None = None) -> str:
+  """One line: which model-axis devices do not fit, by how much, and what to try."""
   need = report.compiled if report.compiled is not None else report.predicted
   peaks = list(getattr(plan, "device_peak_bytes", ()) or ())
   over = [d for d, b in enumerate(peaks) if b > capacity] or list(range(len(peaks) or 1))
@@ -116,14 +142,32 @@ def _advice(config: Any, report: Any, capacity: float, plan: Any, data: int, m: 
   # figures single some out.
   who = ("every model-axis device needs" if len(over) == max(len(peaks), 1) and m > 1 else
          f"model-axis device(s) {', '.join(map(str, over))} need")
-  return (f"does not fit: {who} "
-          f"{need / gib:.2f} GiB of {capacity / gib:.2f} GiB"
-          + (" (--memory_cap_gib)" if getattr(config, "memory_cap_gib", None) else "")
-          + "; try more model devices "
-          f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch})"
+  cap_flag = " (--memory_cap_gib)" if getattr(config, "memory_cap_gib", None) else ""
+  head = f"does not fit: {who} {size_text(need)} of {size_text(capacity)}{cap_flag}"
+  if planner_error is not None:
+    head += (" in the plan shown (table above); the planner found no plan within the cap ("
+             + _closest(planner_error) + ")")
+  batch_split = ("" if m < 2 or getattr(config, "batch_split", False) else
+                 ", --batch_split --batch_split_params=split (split big nodes by rows of the "
+                 "micro-batch, their weights in one slice per device)")
+  return (head + "; try more model devices "
+          f"(--mesh={data}x{2 * m}), a smaller --batch (now {config.batch})" + batch_split
           + memory_check.microbatch_advice(plan, config.microbatches)
           + (", or --zero=2 (optimizer state and gradients sharded over the data replicas)"
              if data > 1 and getattr(config, "zero", 0) < 2 else ""))
+
+
+def _closest(planner_error: str) -> str:
+  """The planner's own figure from its message: how far its closest placement was."""
+  import re
+
+  found = re.search(r"the closest needs ([0-9.]+ [GMK]iB|[0-9]+ bytes) more", planner_error)
+  if found:
+    return f"the closest placement it priced needs {found.group(1)} more by its memory model"
+  from jaxhybrid.planner.place_lockstep import REMEDY
+
+  why = planner_error.replace(f": {REMEDY}", "").replace(f"; {REMEDY}", "").rstrip(".")
+  return why[:1].lower() + why[1:]
 
 
 def _plan_memory(plan: Any, report: Any, refits: Any = ()) -> dict[str, Any]:

@@ -20,6 +20,23 @@ class InfeasibleError(ValueError):
   """
 
 
+def size_text(b: float) -> str:
+  """Bytes for a message, in the unit that keeps them readable ('5.50 GiB', '110.00 MiB')."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(b) >= scale:
+      return f"{b / scale:.2f} {unit}"
+  return f"{b:.0f} bytes"
+
+
+def describe_caps(caps) -> str:
+  """Per-device memory caps for a message: '5.50 GiB per device', or each device's."""
+  if not caps:
+    return "no cap"
+  if max(caps) - min(caps) <= 0.001 * max(caps):
+    return f"{size_text(caps[0])} per device"
+  return "(" + ", ".join(size_text(c) for c in caps) + ") per device"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlannerOptions:
   """How `place` searches for a placement.
