@@ -71,7 +71,7 @@ def axis_of(big: Any, small: Any, m: int) -> int | None:
   return diff[0]
 
 
-def _jaxprs(params: dict[str, Any]) -> list[tuple[str, Any]]:
+def nested_jaxprs(params: dict[str, Any]) -> list[tuple[str, Any]]:
   """(name, jaxpr or closed jaxpr) of the jaxprs an equation's parameters hold, in a fixed
   order."""
   out = []
@@ -270,7 +270,7 @@ def _gather(dn: Any, ins: list, o: int, eb: Any) -> str | None:
 
 def _call(eb: Any, es: Any, m: int, ins: list, outs: list, axes: dict) -> str | None:
   name = eb.primitive.name
-  inner_b, inner_s = _jaxprs(eb.params), _jaxprs(es.params)
+  inner_b, inner_s = nested_jaxprs(eb.params), nested_jaxprs(es.params)
   if [k for k, _ in inner_b] != [k for k, _ in inner_s] or not inner_b:
     return "holds jaxprs that differ at another batch size"
   if name == "scan":

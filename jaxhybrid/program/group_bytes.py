@@ -167,16 +167,9 @@ def _loop_read_leaves(node: Any, params: dict[Any, int]) -> set[int]:
 
 
 def _has_loop(eqn: Any) -> bool:
+  from jaxhybrid.graph import batch_rules
+
   if eqn.primitive.name in LOOP_PRIMITIVES:
     return True
-  return any(_has_loop(e) for j in _sub_jaxprs(eqn.params.values()) for e in j.eqns)
-
-
-def _sub_jaxprs(values: Any):
-  for p in values:
-    if hasattr(p, "eqns"):
-      yield p
-    elif hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
-      yield p.jaxpr
-    elif isinstance(p, (tuple, list)):
-      yield from _sub_jaxprs(p)
+  return any(_has_loop(e) for _, j in batch_rules.nested_jaxprs(eqn.params)
+             for e in getattr(j, "jaxpr", j).eqns)
